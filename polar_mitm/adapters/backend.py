@@ -1,0 +1,179 @@
+"""Internal chat shape <-> the vLLM OpenAI-compatible chat request that records tokens.
+
+The backend call is never streamed: the proxy needs the whole answer (token ids and
+logprobs included) before it can answer the client in its own format.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from .chat import AdapterError, dumps, parts_text, stable_id
+
+# Asked on every call so the store gets token-faithful records.
+TOKEN_FIELDS = {"logprobs": True, "top_logprobs": 0, "return_token_ids": True}
+
+_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+
+
+def custom_tool_parameters(tool: dict) -> dict:
+    """A freeform (custom) tool becomes a function with one string argument."""
+    fmt = tool.get("format") or {}
+    desc = "Raw input for the tool."
+    if fmt.get("type") == "grammar" and fmt.get("definition"):
+        desc += f" It must match this {fmt.get('syntax', '')} grammar:\n{fmt['definition']}"
+    return {"type": "object", "properties": {"input": {"type": "string", "description": desc}},
+            "required": ["input"]}
+
+
+def _content(parts: list[dict]) -> Any:
+    if all(p["type"] == "text" for p in parts):
+        return parts_text(parts)
+    return [{"type": "text", "text": p["text"]} if p["type"] == "text"
+            else {"type": "image_url", "image_url": {"url": p["url"]}} for p in parts]
+
+
+def _call(c: dict) -> dict:
+    args = c["arguments"] if c["kind"] == "function" else dumps({"input": c["arguments"]})
+    return {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": args}}
+
+
+def _message(m: dict) -> dict:
+    role = m["role"]
+    if role == "tool":
+        text = parts_text(m["content"])
+        return {"role": "tool", "tool_call_id": m["tool_call_id"],
+                "content": f"Error: {text}" if m.get("is_error") else text}
+    out: dict = {"role": role, "content": _content(m["content"])}
+    if role == "assistant":
+        if m.get("tool_calls"):
+            out["tool_calls"] = [_call(c) for c in m["tool_calls"]]
+            if out["content"] == "":
+                out["content"] = None
+        if m.get("reasoning"):
+            out["reasoning"] = m["reasoning"]
+    return out
+
+
+def to_backend(request: dict, served_model: str, overrides: dict | None = None) -> dict:
+    """The body POSTed to the backend's /v1/chat/completions."""
+    messages = [_message(m) for m in request["messages"]]
+    body: dict = {"model": served_model, "messages": messages, "stream": False, **TOKEN_FIELDS}
+    if messages and messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
+        # A trailing assistant message is a prefill the model continues.
+        body["continue_final_message"] = True
+        body["add_generation_prompt"] = False
+    if request["tools"]:
+        body["tools"] = [{"type": "function", "function": {
+            "name": t["name"], "description": t["description"],
+            "parameters": t["parameters"] if t["kind"] == "function" else custom_tool_parameters(t)}}
+            for t in request["tools"]]
+        choice = request["tool_choice"]
+        if isinstance(choice, dict):
+            body["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+        elif choice:
+            body["tool_choice"] = choice
+        if request["parallel_tool_calls"] is not None:
+            body["parallel_tool_calls"] = request["parallel_tool_calls"]
+    for key in _SAMPLING:
+        if request.get(key) is not None:
+            body[key] = request[key]
+    if request["stop"]:
+        body["stop"] = request["stop"]
+    rf = request["response_format"]
+    if rf and rf["type"] == "json_schema":
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": rf["name"], "schema": rf["schema"]}}
+    elif rf:
+        body["response_format"] = {"type": "json_object"}
+    for key, value in (overrides or {}).items():
+        if key == "max_tokens" and body.get("max_tokens") is not None:
+            body[key] = min(body[key], value)  # a cap, never a raise
+        else:
+            body[key] = value
+    return body
+
+
+class BackendError(AdapterError):
+    """The backend answered, but not with a usable completion."""
+
+    status = 502
+    kind = "backend_error"
+
+
+def backend_error(status: int, body: bytes) -> BackendError:
+    """Map a non-200 backend answer to an error the client's provider would give."""
+    try:
+        err = orjson.loads(body)
+        message = err.get("error", {}).get("message") if isinstance(err.get("error"), dict) \
+            else err.get("message") or err.get("detail")
+    except (orjson.JSONDecodeError, AttributeError):
+        message = None
+    message = str(message or body[:500].decode(errors="replace") or f"backend status {status}")
+    lowered = message.lower()
+    if status == 400 and ("context length" in lowered or "maximum context" in lowered
+                          or "too long" in lowered or "max_model_len" in lowered):
+        return BackendError(message, status=400, kind="context_too_long")
+    if status in (400, 422):
+        return BackendError(message, status=400, kind="invalid_request")
+    if status == 404:
+        return BackendError(message, status=404, kind="not_found")
+    if status in (429, 503):
+        return BackendError(message, status=503 if status == 503 else 429,
+                            kind="overloaded" if status == 503 else "rate_limit")
+    return BackendError(message, status=502, kind="backend_error")
+
+
+def from_backend(resp: Any, request: dict) -> tuple[dict, dict]:
+    """(normalized result, token record) from a vLLM chat completion."""
+    try:
+        choice = resp["choices"][0]
+        msg = choice["message"]
+    except (KeyError, IndexError, TypeError):
+        raise BackendError("backend answered without a choice") from None
+    custom = {t["name"] for t in request["tools"] if t["kind"] == "custom"}
+    calls = []
+    for i, c in enumerate(msg.get("tool_calls") or []):
+        fn = c.get("function") or {}
+        name, args = fn.get("name") or "", fn.get("arguments") or "{}"
+        kind = "function"
+        if name in custom:
+            kind = "custom"
+            try:
+                args = str(orjson.loads(args).get("input", ""))
+            except (orjson.JSONDecodeError, AttributeError):
+                pass
+        calls.append({"id": stable_id("call_", resp.get("id"), i, c.get("id")), "name": name,
+                      "arguments": args, "kind": kind})
+    finish = choice.get("finish_reason") or "stop"
+    if calls:
+        finish = "tool_calls"
+    elif finish not in ("stop", "length", "content_filter"):
+        finish = "stop"
+    stop_reason = choice.get("stop_reason")
+    usage = resp.get("usage") or {}
+    token_ids = choice.get("token_ids") or []
+    result = {
+        "id": resp.get("id") or stable_id("chatcmpl-", token_ids),
+        "created": int(resp.get("created") or 0),
+        "model": resp.get("model") or "",
+        "text": msg.get("content") or "",
+        "reasoning": msg.get("reasoning") or msg.get("reasoning_content") or None,
+        "tool_calls": calls,
+        "finish_reason": finish,
+        "stop_sequence": stop_reason if isinstance(stop_reason, str) else None,
+        "usage": {"prompt_tokens": int(usage.get("prompt_tokens") or 0),
+                  "completion_tokens": int(usage.get("completion_tokens") or len(token_ids))},
+    }
+    lp = (choice.get("logprobs") or {}).get("content") or []
+    versions = choice.get("weight_versions") or []
+    tokens = {
+        "prompt_token_ids": resp.get("prompt_token_ids") or [],
+        "token_ids": token_ids,
+        "logprobs": [float(t.get("logprob", 0.0)) for t in lp],
+        "policy_version": ",".join(str(v.get("version")) for v in versions) or None,
+        "prompt_text": resp.get("prompt_text"),
+    }
+    return result, tokens

@@ -1,0 +1,356 @@
+"""The mitmproxy addon: model calls of any harness go to vLLM and come back in the
+harness's own API format; every call is recorded in DuckDB before it is answered.
+
+Thin glue: the adapters translate, the store writes, this file moves bytes between them.
+Everything is answered from here (connection_strategy=lazy, upstream_cert=false), so
+nothing a harness sends ever reaches the outside."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Sequence
+
+import httpx
+import orjson
+from mitmproxy import ctx, exceptions, http
+
+from polar_mitm import adapters
+from polar_mitm.adapters import backend
+from polar_mitm.adapters.chat import AdapterError
+from polar_mitm.adapters.detect import is_count_tokens, split_path
+from polar_mitm.store import CallWriter
+
+from . import sessions
+
+log = logging.getLogger("polar")
+
+# Anthropic clients retry 529 (overloaded); the other providers use 503.
+_OVERLOADED_STATUS = {"anthropic": 529}
+_JSON = {"content-type": "application/json"}
+
+
+class BackendUnavailable(AdapterError):
+    status, kind = 503, "overloaded"
+
+
+class BackendTimeout(AdapterError):
+    status, kind = 504, "timeout"
+
+
+def parse_overrides(items: Sequence[str]) -> dict:
+    """--set polar_sampling=temperature=1.0 --set polar_sampling=max_tokens=512"""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise exceptions.OptionsError(f"polar_sampling: expected KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+class PolarGateway:
+    def __init__(self):
+        self.writer: CallWriter | None = None
+        self.client: httpx.AsyncClient | None = None
+        self.overrides: dict = {}
+        self._proxy_users: dict[str, str] = {}   # client connection id -> proxy-auth user
+        self._served_model: str | None = None
+        self._policy: tuple[float, str | None] = (0.0, None)
+        self._slots: asyncio.Semaphore | None = None
+        self.calls = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def load(self, loader):
+        loader.add_option("polar_db", str, "rollouts.duckdb", "DuckDB file the calls are written to")
+        loader.add_option("polar_backend", str, "http://127.0.0.1:8000",
+                          "Base URL of the vLLM OpenAI-compatible server")
+        loader.add_option("polar_served_model", str, "",
+                          "Model name to ask the backend for (empty: the first one it serves)")
+        loader.add_option("polar_session_key", str, "auto",
+                          "How calls are attributed to sessions: auto (proxy user, then API "
+                          "key, then client), proxy-user, api-key, client",
+                          choices=sessions.SCHEMES)
+        loader.add_option("polar_sampling", Sequence[str], [],
+                          "Sampling overrides sent to the backend, KEY=VALUE (JSON values); "
+                          "max_tokens caps the harness's own value")
+        loader.add_option("polar_model_hosts", Sequence[str], [],
+                          "Regexes of hosts whose API calls are model calls (empty: any host)")
+        loader.add_option("polar_backend_timeout", int, 600, "Seconds to wait for the backend")
+        loader.add_option("polar_max_concurrency", int, 0,
+                          "Calls in flight to the backend at once (0: unlimited)")
+        loader.add_option("polar_policy_version", str, "",
+                          "Policy tag recorded when the backend reports no weight version")
+
+    def configure(self, updated):
+        if "polar_sampling" in updated:
+            self.overrides = parse_overrides(ctx.options.polar_sampling)
+        if "polar_backend_timeout" in updated and ctx.options.polar_backend_timeout <= 0:
+            raise exceptions.OptionsError("polar_backend_timeout must be > 0")
+        if "polar_db" in updated and self.writer and self.writer.db_path != ctx.options.polar_db:
+            self.writer.close()
+            self.writer = None
+        if "polar_served_model" in updated:
+            self._served_model = ctx.options.polar_served_model or None
+        # Every answer is made here: never connect to the real provider hosts.
+        if ctx.options.connection_strategy != "lazy":
+            ctx.options.connection_strategy = "lazy"
+        if ctx.options.upstream_cert:
+            ctx.options.upstream_cert = False
+
+    def running(self):
+        self._ensure_writer()
+
+    def done(self):
+        if self.writer:
+            self.writer.close()
+            self.writer = None
+
+    def _ensure_writer(self) -> CallWriter:
+        if self.writer is None:
+            self.writer = CallWriter(ctx.options.polar_db).start()
+        return self.writer
+
+    def _http(self) -> httpx.AsyncClient:
+        if self.client is None:
+            limit = ctx.options.polar_max_concurrency or None
+            self.client = httpx.AsyncClient(
+                timeout=httpx.Timeout(ctx.options.polar_backend_timeout, connect=10),
+                limits=httpx.Limits(max_connections=limit, max_keepalive_connections=32),
+                trust_env=False)  # the backend is never reached through a proxy
+            if ctx.options.polar_max_concurrency:
+                self._slots = asyncio.Semaphore(ctx.options.polar_max_concurrency)
+        return self.client
+
+    # ---- hooks -------------------------------------------------------------------------
+
+    def http_connect(self, flow: http.HTTPFlow):
+        # In regular mode the proxy-auth user rides on CONNECT, not on the inner requests.
+        user = sessions.proxy_user(flow.request.headers.get("proxy-authorization"))
+        if user:
+            self._proxy_users[flow.client_conn.id] = user
+
+    def client_disconnected(self, client):
+        self._proxy_users.pop(client.id, None)
+
+    async def request(self, flow: http.HTTPFlow):
+        if flow.response is not None:
+            return
+        req = flow.request
+        body = None
+        if req.method == "POST":
+            try:
+                body = orjson.loads(req.get_content() or b"null")
+            except (orjson.JSONDecodeError, ValueError):
+                body = None
+        style = adapters.detect(req.method, req.path, dict(req.headers), body) \
+            if self._is_model_host(req.pretty_host) else None
+        if style and not _is_websocket(req):
+            await self._model_call(flow, style, body)
+        else:
+            await self._local_answer(flow, body)
+
+    # ---- model calls -------------------------------------------------------------------
+
+    async def _model_call(self, flow: http.HTTPFlow, style: str, body):
+        started = time.time()
+        t0 = time.perf_counter()
+        mod = adapters.adapter(style)
+        req = flow.request
+        path, query = split_path(req.path)
+        session = self._session(flow, query)
+        record = {"call_id": str(uuid.uuid4()), "style": style, "method": req.method,
+                  "path": sessions.redact_query(req.path), "started_at": started,
+                  "request_json": body if body is not None else _raw_text(req)}
+        normalized = None
+        queue_ms = backend_ms = 0.0
+        try:
+            if not isinstance(body, dict):
+                raise AdapterError("request body must be a JSON object")
+            normalized = mod.to_chat(body, req.path)
+            record.update(normalized_json=normalized, stream=normalized["stream"],
+                          requested_model=normalized["model"], dropped=normalized["dropped"])
+            served = await self._served()
+            backend_body = backend.to_backend(normalized, served, self.overrides)
+            record.update(served_model=served, backend_request_json=backend_body)
+            q0 = time.perf_counter()
+            if self._slots:
+                await self._slots.acquire()
+            queue_ms = (time.perf_counter() - q0) * 1000
+            try:
+                b0 = time.perf_counter()
+                resp_json, policy = await asyncio.gather(self._complete(backend_body),
+                                                         self._policy_version())
+                backend_ms = (time.perf_counter() - b0) * 1000
+            finally:
+                if self._slots:
+                    self._slots.release()
+            result, tokens = backend.from_backend(resp_json, normalized)
+            answer = mod.from_chat(result, normalized)
+            if normalized["stream"]:
+                content = b"".join(mod.stream(result, normalized))
+                headers = {"content-type": adapters.stream_content_type(normalized),
+                           "cache-control": "no-cache"}
+            else:
+                content, headers = orjson.dumps(answer), dict(_JSON)
+            record.update(status_code=200, response_json=answer,
+                          prompt_token_ids=tokens["prompt_token_ids"], token_ids=tokens["token_ids"],
+                          logprobs=tokens["logprobs"], finish_reason=result["finish_reason"],
+                          prompt_tokens=result["usage"]["prompt_tokens"],
+                          completion_tokens=result["usage"]["completion_tokens"],
+                          usage_json=result["usage"],
+                          policy_version=tokens["policy_version"] or policy)
+            status = 200
+        except AdapterError as e:
+            status = _OVERLOADED_STATUS.get(style, e.status) if e.kind == "overloaded" else e.status
+            answer = mod.error(status, str(e), e.kind)
+            content, headers = orjson.dumps(answer), dict(_JSON)
+            record.update(status_code=status, response_json=answer, error=str(e)[:2000],
+                          error_kind=e.kind)
+        record.update(queue_ms=queue_ms, backend_ms=backend_ms,
+                      total_ms=(time.perf_counter() - t0) * 1000)
+        try:
+            await asyncio.wrap_future(self._ensure_writer().submit(session, record))
+        except Exception as e:  # not recorded -> not acknowledged: the harness retries
+            log.error("polar: could not record call: %s", e)
+            status = _OVERLOADED_STATUS.get(style, 503)
+            content = orjson.dumps(mod.error(status, f"recording failed: {e}", "overloaded"))
+            headers = dict(_JSON)
+        self.calls += 1
+        flow.response = http.Response.make(status, content, headers)
+
+    async def _complete(self, backend_body: dict) -> dict:
+        url = ctx.options.polar_backend.rstrip("/") + "/v1/chat/completions"
+        try:
+            resp = await self._http().post(url, content=orjson.dumps(backend_body),
+                                           headers=_JSON)
+        except httpx.TimeoutException:
+            raise BackendTimeout(f"the model backend did not answer within "
+                                 f"{ctx.options.polar_backend_timeout}s") from None
+        except httpx.HTTPError as e:
+            raise BackendUnavailable(f"the model backend is unavailable: {type(e).__name__}") from None
+        if resp.status_code != 200:
+            raise backend.backend_error(resp.status_code, resp.content)
+        try:
+            return orjson.loads(resp.content)
+        except orjson.JSONDecodeError:
+            raise backend.BackendError("the model backend answered with invalid JSON") from None
+
+    async def _served(self) -> str:
+        if self._served_model:
+            return self._served_model
+        url = ctx.options.polar_backend.rstrip("/") + "/v1/models"
+        try:
+            resp = await self._http().get(url, timeout=10)
+            self._served_model = resp.json()["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError):
+            raise BackendUnavailable("the model backend is unavailable (no model list)") from None
+        return self._served_model
+
+    async def _policy_version(self) -> str | None:
+        """The backend's weight version (vLLM dev-mode /weight_info), refreshed each second."""
+        fetched_at, value = self._policy
+        if time.monotonic() - fetched_at < 1.0:
+            return value
+        value = ctx.options.polar_policy_version or None
+        try:
+            resp = await self._http().get(ctx.options.polar_backend.rstrip("/") + "/weight_info",
+                                          timeout=2)
+            if resp.status_code == 200:
+                reported = resp.json().get("weight_version")
+                value = str(reported) if reported is not None else value
+        except (httpx.HTTPError, ValueError, AttributeError):
+            pass
+        self._policy = (time.monotonic(), value)
+        return value
+
+    def _session(self, flow: http.HTTPFlow, query: str) -> dict:
+        user = self._proxy_users.get(flow.client_conn.id) or sessions.proxy_user(
+            flow.request.headers.get("proxy-authorization"))
+        return sessions.attribute(headers=dict(flow.request.headers), query=query,
+                                  proxy_auth_user=user,
+                                  client_host=flow.client_conn.peername[0] if flow.client_conn.peername else "unknown",
+                                  salt=self._ensure_writer().salt,
+                                  scheme=ctx.options.polar_session_key)
+
+    def _is_model_host(self, host: str) -> bool:
+        import re
+        patterns = ctx.options.polar_model_hosts
+        return not patterns or any(re.search(p, host) for p in patterns)
+
+    # ---- everything else ---------------------------------------------------------------
+
+    async def _local_answer(self, flow: http.HTTPFlow, body):
+        """Telemetry, feature flags, model lists, WebSocket attempts: answered at once so
+        harness runs never hang, and never forwarded."""
+        req = flow.request
+        path, _ = split_path(req.path)
+        if _is_websocket(req):
+            # Codex tries Responses-over-WebSocket first and falls back to HTTPS on 404.
+            flow.response = http.Response.make(404, b'{"error": "websocket transport not offered"}', _JSON)
+        elif req.method == "POST" and is_count_tokens(path) and isinstance(body, dict):
+            flow.response = await self._count_tokens(req, body)
+        elif req.method == "GET" and path.endswith("/models"):
+            flow.response = http.Response.make(200, orjson.dumps(await self._model_list(path)), _JSON)
+        elif req.method in ("HEAD", "OPTIONS"):
+            flow.response = http.Response.make(200, b"")
+        elif req.method == "GET":
+            flow.response = http.Response.make(404, b'{"error": "not found"}', _JSON)
+        else:
+            flow.response = http.Response.make(204, b"")
+
+    async def _model_list(self, path: str) -> dict:
+        try:
+            name = await self._served()
+        except AdapterError:
+            name = "unavailable"
+        if "/backend-api/codex/" in path:
+            return {"models": []}  # Codex falls back to its built-in model metadata
+        if "/v1beta/" in path:
+            return {"models": [{"name": f"models/{name}", "displayName": name,
+                                "supportedGenerationMethods": ["generateContent"]}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
+                                            "owned_by": "polar-mitm"}]}
+
+    async def _count_tokens(self, req: http.Request, body: dict) -> http.Response:
+        style = "google" if ":countTokens" in req.path else "anthropic"
+        mod = adapters.adapter(style)
+        try:
+            if style == "google":
+                normalized = mod.to_chat(body.get("generateContentRequest") or body,
+                                         req.path.replace(":countTokens", ":generateContent"))
+            else:
+                normalized = mod.to_chat({"max_tokens": 1, **body})
+            served = await self._served()
+            tok_body = backend.to_backend(normalized, served)
+            tok = {k: tok_body[k] for k in ("model", "messages", "tools") if k in tok_body}
+            resp = await self._http().post(ctx.options.polar_backend.rstrip("/") + "/tokenize",
+                                           content=orjson.dumps(tok), headers=_JSON)
+            if resp.status_code != 200:
+                raise backend.backend_error(resp.status_code, resp.content)
+            count = int(resp.json().get("count", 0))
+        except AdapterError as e:
+            return http.Response.make(e.status, orjson.dumps(mod.error(e.status, str(e), e.kind)), _JSON)
+        except httpx.HTTPError:
+            status = _OVERLOADED_STATUS.get(style, 503)
+            return http.Response.make(status, orjson.dumps(
+                mod.error(status, "the model backend is unavailable", "overloaded")), _JSON)
+        answer = {"totalTokens": count} if style == "google" else {"input_tokens": count}
+        return http.Response.make(200, orjson.dumps(answer), _JSON)
+
+
+def _is_websocket(req: http.Request) -> bool:
+    return req.headers.get("upgrade", "").lower() == "websocket"
+
+
+def _raw_text(req: http.Request) -> str:
+    return (req.get_content(strict=False) or b"")[:100_000].decode(errors="replace")
+
+
+addons = [PolarGateway()]

@@ -1,0 +1,96 @@
+"""Which session (one harness run) a call belongs to, without changing the harness.
+
+The harness already sends two things the user controls: its API key and, in regular
+proxy mode, the user name in HTTPS_PROXY (http://NAME:x@127.0.0.1:8080). Either names
+the session. Secrets are never stored: a key is kept only when the user marked it as a
+session name (prefix "polar-"), otherwise as a salted hash. A session name of the form
+TASK~SAMPLE puts the session in TASK's GRPO group."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import re
+from typing import Mapping
+
+SESSION_KEY_PREFIX = "polar-"
+TASK_SEPARATOR = "~"
+SCHEMES = ("auto", "proxy-user", "api-key", "client")
+_SAFE = re.compile(r"[^A-Za-z0-9._~+=@:/-]")
+
+
+def api_key(headers: Mapping[str, str], query: str = "") -> str | None:
+    """The key as each provider sends it: x-api-key, Bearer, x-goog-api-key, or ?key=."""
+    h = {k.lower(): v for k, v in headers.items()}
+    if h.get("x-api-key"):
+        return h["x-api-key"].strip()
+    auth = h.get("authorization", "")
+    if auth.lower().startswith("bearer ") and auth[7:].strip():
+        return auth[7:].strip()
+    if h.get("x-goog-api-key"):
+        return h["x-goog-api-key"].strip()
+    for pair in query.split("&"):
+        name, _, value = pair.partition("=")
+        if name == "key" and value:
+            return value
+    return None
+
+
+def proxy_user(proxy_authorization: str | None) -> str | None:
+    """User name from a Basic Proxy-Authorization header (the password is ignored)."""
+    if not proxy_authorization or not proxy_authorization.lower().startswith("basic "):
+        return None
+    try:
+        decoded = base64.b64decode(proxy_authorization[6:].strip(), validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    user = decoded.partition(":")[0]
+    return user or None
+
+
+def key_session(key: str, salt: str) -> tuple[str, str]:
+    if key.startswith(SESSION_KEY_PREFIX) and len(key) > len(SESSION_KEY_PREFIX):
+        return clean(key[len(SESSION_KEY_PREFIX):]), "api_key"
+    digest = hashlib.sha256(f"{salt}:{key}".encode()).hexdigest()[:16]
+    return f"key-{digest}", "key_hash"
+
+
+def clean(name: str) -> str:
+    return _SAFE.sub("_", name)[:200]
+
+
+def task_of(session_id: str) -> str | None:
+    task, sep, _ = session_id.rpartition(TASK_SEPARATOR)
+    return task if sep and task else None
+
+
+def user_agent_product(user_agent: str) -> str:
+    product = (user_agent or "unknown").split("/", 1)[0].split(" ", 1)[0]
+    return clean(product.lower()) or "unknown"
+
+
+def attribute(*, headers: Mapping[str, str], query: str, proxy_auth_user: str | None,
+              client_host: str, salt: str, scheme: str = "auto") -> dict:
+    """The session record for a call: {session_id, task_id, source, client, user_agent}."""
+    ua = {k.lower(): v for k, v in headers.items()}.get("user-agent", "")
+    session_id = source = None
+    if scheme in ("auto", "proxy-user") and proxy_auth_user:
+        session_id, source = clean(proxy_auth_user), "proxy_user"
+    if session_id is None and scheme in ("auto", "api-key"):
+        key = api_key(headers, query)
+        if key:
+            session_id, source = key_session(key, salt)
+    if session_id is None:
+        session_id, source = f"default-{client_host}-{user_agent_product(ua)}", "default"
+    return {"session_id": session_id, "task_id": task_of(session_id), "source": source,
+            "client": client_host, "user_agent": ua[:300]}
+
+
+def redact_query(path: str) -> str:
+    """Drop ?key=... (Google's query-string API key) before a path is stored."""
+    base, sep, query = path.partition("?")
+    if not sep:
+        return path
+    kept = [p for p in query.split("&") if p.partition("=")[0] != "key"]
+    return base + ("?" + "&".join(kept) if kept else "")

@@ -1,0 +1,145 @@
+"""polar-mitm: run the gateway, inspect what it recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+from . import launch
+from .models import DEFAULT_MODEL_NAME, cache_dir, ensure_default_model
+from .store import export_parquet, query
+
+
+@click.group()
+def main():
+    """Record token-faithful harness traffic from vLLM into DuckDB."""
+
+
+def _print_table(columns: list[str], rows: list[tuple], fmt: str) -> None:
+    if fmt == "json":
+        for row in rows:
+            click.echo(json.dumps(dict(zip(columns, row)), default=str))
+        return
+    if fmt == "csv":
+        import csv
+        w = csv.writer(sys.stdout)
+        w.writerow(columns)
+        w.writerows(rows)
+        return
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    click.echo("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    click.echo("  ".join("-" * w for w in widths))
+    for r in cells:
+        click.echo("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+    click.echo(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+
+
+def _cell(v) -> str:
+    s = "NULL" if v is None else str(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+@main.command()
+@click.argument("statement")
+@click.option("--db", default="rollouts.duckdb", show_default=True, help="DuckDB file")
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table")
+@click.option("--timeout", default=30.0, show_default=True,
+              help="Seconds to wait while the proxy holds the write lock")
+def sql(statement, db, fmt, timeout):
+    """Run one read-only SQL statement on the database (safe while the proxy runs)."""
+    try:
+        columns, rows = query(db, statement, timeout=timeout)
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e))
+    _print_table(columns, rows, fmt)
+
+
+@main.command()
+@click.option("--db", default="rollouts.duckdb", show_default=True)
+@click.option("--out", default="export", show_default=True, help="Folder for the Parquet files")
+def export(db, out):
+    """Export sessions and calls to Parquet."""
+    for path in export_parquet(db, out):
+        click.echo(path)
+
+
+@main.command("addon-path")
+def addon_path():
+    """Print the addon file for `mitmdump -s`."""
+    click.echo(launch.ADDON_FILE)
+
+
+def _start_stack(db, backend, port, reverse_port, confdir, logs: Path, max_model_len):
+    services = []
+    if not backend:
+        model_dir = ensure_default_model(log=click.echo)
+        vport = launch.free_port()
+        click.echo(f"starting vLLM ({DEFAULT_MODEL_NAME}) on 127.0.0.1:{vport}; "
+                   f"log {logs / 'vllm.log'} (first start takes minutes on CPU)")
+        t0 = time.time()
+        services.append(launch.start_vllm(
+            model_dir, port=vport, served_name=DEFAULT_MODEL_NAME, log_path=logs / "vllm.log",
+            max_model_len=max_model_len, chat_template=launch.TEMPLATES / "smollm2_tools.jinja"))
+        click.echo(f"vLLM ready after {time.time() - t0:.0f}s")
+        backend = f"http://127.0.0.1:{vport}"
+    services.append(launch.start_proxy(db=db, backend=backend, port=port, confdir=confdir,
+                                       log_path=logs / "mitmdump.log", reverse_port=reverse_port))
+    return services, backend
+
+
+@main.command()
+@click.option("--db", default="rollouts.duckdb", show_default=True)
+@click.option("--backend", default="", help="Use this vLLM server instead of starting the default model")
+@click.option("--port", default=8080, show_default=True, help="Regular (HTTPS_PROXY) listener")
+@click.option("--reverse-port", default=8081, show_default=True, help="Base-URL (reverse) listener")
+@click.option("--confdir", default=os.path.expanduser("~/.mitmproxy"), show_default=True)
+@click.option("--max-model-len", default=8192, show_default=True)
+def up(db, backend, port, reverse_port, confdir, max_model_len):
+    """Start vLLM (unless --backend) and the proxy; stop with Ctrl-C."""
+    logs = cache_dir() / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    services, backend = _start_stack(db, backend, port, reverse_port, confdir, logs, max_model_len)
+    click.echo(f"proxy ready: backend {backend}, database {db}\nharness environment:")
+    for k, v in launch.proxy_env(port, confdir).items():
+        click.echo(f"  export {k}={v}")
+    click.echo(f"or point a base URL at http://127.0.0.1:{reverse_port}")
+    try:
+        while all(s.alive() for s in services):
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for s in reversed(services):
+            s.stop()
+
+
+@main.command()
+@click.option("--db", default="polar-demo.duckdb", show_default=True)
+@click.option("--backend", default="", help="Use this vLLM server instead of starting the default model")
+@click.option("--max-tokens", default=24, show_default=True)
+def demo(db, backend, max_tokens):
+    """End to end on the embedded default model: vLLM + proxy + every API style."""
+    from .demo import SUMMARY_SQL, drive
+
+    work = Path(tempfile.mkdtemp(prefix="polar-demo-"))
+    port, reverse_port = launch.free_port(), launch.free_port()
+    services, backend = _start_stack(db, backend, port, reverse_port, work / "mitmproxy", work, 8192)
+    try:
+        click.echo("driving the official SDKs through the proxy (HTTPS_PROXY and base URL)")
+        for r in drive(port, reverse_port, work / "mitmproxy", max_tokens):
+            click.echo(f"  {r['style']:17} {r['mode']:8} stream={str(r['stream']):5} -> {r['text']!r}")
+    finally:
+        for s in reversed(services):
+            s.stop()
+    click.echo(f"\nrecorded in {db}:")
+    _print_table(*query(db, SUMMARY_SQL), "table")
+    _print_table(*query(db, "SELECT * FROM session_summary"), "table")
+if __name__ == "__main__":
+    main()

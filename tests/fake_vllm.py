@@ -1,0 +1,68 @@
+"""A stand-in for vLLM's chat endpoint, for the failure tests only (slow, 5xx, bad JSON).
+Everything that checks tokens runs against the real vLLM server."""
+
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import orjson
+
+
+class FakeVLLM:
+    def __init__(self, mode: str = "ok", delay: float = 0.0):
+        self.mode, self.delay = mode, delay
+        self.bodies: list[dict] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def _send(self, status, body: bytes):
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                if self.path == "/v1/models":
+                    self._send(200, b'{"object":"list","data":[{"id":"fake-model"}]}')
+                else:
+                    self._send(404, b'{"detail":"Not Found"}')
+
+            def do_POST(self):
+                body = orjson.loads(self.rfile.read(int(self.headers["content-length"])))
+                fake.bodies.append(body)
+                time.sleep(fake.delay)
+                if fake.mode == "500":
+                    self._send(500, b'{"error":{"message":"engine crashed","type":"InternalServerError"}}')
+                elif fake.mode == "badjson":
+                    self._send(200, b'{"choices": [')
+                elif fake.mode == "context":
+                    self._send(400, b'{"error":{"message":"This model\'s maximum context length is 8192 tokens","type":"BadRequestError"}}')
+                else:
+                    self._send(200, orjson.dumps({
+                        "id": "chatcmpl-fake", "object": "chat.completion", "created": 1, "model": "fake-model",
+                        "prompt_token_ids": [1, 2, 3],
+                        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                                     "finish_reason": "stop", "token_ids": [7, 2],
+                                     "logprobs": {"content": [{"token": "ok", "logprob": -0.5},
+                                                              {"token": "</s>", "logprob": -0.1}]}}],
+                        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}))
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+
+    def __enter__(self):
+        threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self._httpd.shutdown()
+        self._httpd.server_close()

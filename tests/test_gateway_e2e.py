@@ -1,0 +1,182 @@
+"""End to end: real vLLM (SmolLM2 on CPU) behind mitmdump with the addon; the official
+SDKs call through HTTPS_PROXY with the mitmproxy CA and through a base URL."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+from google import genai
+from google.genai import types
+
+from polar_mitm import launch
+from polar_mitm.models import default_model_dir
+from polar_mitm.store import query
+
+pytestmark = pytest.mark.vllm
+MAX = 12
+PROMPT = "Name three colors."
+
+
+@pytest.fixture(scope="module")
+def tokenizer(vllm_backend):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(default_model_dir())
+
+
+@pytest.fixture
+def proxy(vllm_backend, start_proxy):
+    return start_proxy(vllm_backend)
+
+
+def sdk_clients(proxy, mode: str, key_prefix: str, monkeypatch):
+    """Regular mode: the harness keeps its real provider hosts; HTTPS_PROXY and
+    SSL_CERT_FILE in the environment route it through the proxy with the CA trusted."""
+    if mode == "regular":
+        monkeypatch.setenv("HTTPS_PROXY", proxy.proxy_url(f"{key_prefix}~regular"))
+        monkeypatch.setenv("SSL_CERT_FILE", proxy.ca)
+        monkeypatch.setenv("NO_PROXY", "")
+        base = None
+    else:
+        monkeypatch.delenv("HTTPS_PROXY", raising=False)
+        base = proxy.base_url
+    return (openai.OpenAI(api_key=f"polar-{key_prefix}~{mode}-openai", max_retries=0, timeout=120,
+                          base_url=base + "/v1" if base else None),
+            anthropic.Anthropic(api_key=f"polar-{key_prefix}~{mode}-anthropic", max_retries=0, timeout=120,
+                                base_url=base),
+            genai.Client(api_key=f"polar-{key_prefix}~{mode}-google", http_options=types.HttpOptions(
+                base_url=base, retry_options=types.HttpRetryOptions(attempts=1),
+                client_args={"verify": proxy.ca} if mode == "regular" else None)))
+
+
+def every_style(oa, an, gg) -> list[tuple[str, bool, str, str]]:
+    """(style, stream, requested model, text the SDK parsed) for each call made."""
+    out = []
+    r = oa.chat.completions.create(model="gpt-5", max_tokens=MAX, messages=[{"role": "user", "content": PROMPT}])
+    assert r.model == "gpt-5"
+    out.append(("openai_chat", False, "gpt-5", r.choices[0].message.content))
+    text = "".join(c.choices[0].delta.content or "" for c in oa.chat.completions.create(
+        model="gpt-5", max_tokens=MAX, stream=True, messages=[{"role": "user", "content": PROMPT}]) if c.choices)
+    out.append(("openai_chat", True, "gpt-5", text))
+
+    r = oa.responses.create(model="gpt-5-codex", input=PROMPT, max_output_tokens=MAX)
+    assert r.model == "gpt-5-codex" and r.status in ("completed", "incomplete")
+    out.append(("openai_responses", False, "gpt-5-codex", r.output_text))
+    with oa.responses.stream(model="gpt-5-codex", input=PROMPT, max_output_tokens=MAX) as s:
+        out.append(("openai_responses", True, "gpt-5-codex", s.get_final_response().output_text))
+
+    m = an.messages.create(model="claude-sonnet-4-5", max_tokens=MAX, messages=[{"role": "user", "content": PROMPT}])
+    assert m.model == "claude-sonnet-4-5" and m.stop_reason in ("end_turn", "max_tokens")
+    out.append(("anthropic", False, "claude-sonnet-4-5", "".join(b.text for b in m.content if b.type == "text")))
+    with an.messages.stream(model="claude-sonnet-4-5", max_tokens=MAX,
+                            messages=[{"role": "user", "content": PROMPT}]) as s:
+        out.append(("anthropic", True, "claude-sonnet-4-5", s.get_final_text()))
+
+    cfg = types.GenerateContentConfig(max_output_tokens=MAX)
+    r = gg.models.generate_content(model="gemini-2.5-flash", contents=PROMPT, config=cfg)
+    out.append(("google", False, "gemini-2.5-flash", r.text or ""))
+    text = "".join(c.text or "" for c in gg.models.generate_content_stream(
+        model="gemini-2.5-flash", contents=PROMPT, config=cfg))
+    out.append(("google", True, "gemini-2.5-flash", text))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["regular", "reverse"])
+def test_every_sdk_through_the_proxy_is_recorded_token_faithfully(proxy, tokenizer, mode, monkeypatch):
+    calls = every_style(*sdk_clients(proxy, mode, "e2e", monkeypatch))
+    monkeypatch.delenv("HTTPS_PROXY", raising=False)
+    cols, rows = query(proxy.db, """
+        SELECT style, stream, requested_model, session_id, status_code, prompt_token_ids, token_ids,
+               logprobs, backend_request_json, response_json, finish_reason
+        FROM calls ORDER BY created_at, seq""")
+    assert len(rows) == len(calls) == 8  # one row per call
+    template = (launch.TEMPLATES / "smollm2_tools.jinja").read_text()
+    for (style, stream, model, text), row in zip(calls, rows):
+        r = dict(zip(cols, row))
+        assert (r["style"], r["stream"], r["requested_model"], r["status_code"]) == (style, stream, model, 200)
+        expected_session = "e2e~regular" if mode == "regular" else f"e2e~reverse-{style.split('_')[0]}"
+        assert r["session_id"] == expected_session
+        assert r["prompt_token_ids"] and r["token_ids"]
+        assert len(r["logprobs"]) == len(r["token_ids"]) and all(lp <= 0 for lp in r["logprobs"])
+        backend_req = json.loads(r["backend_request_json"])
+        prompt = tokenizer.apply_chat_template(backend_req["messages"], tools=backend_req.get("tools"),
+                                               chat_template=template, add_generation_prompt=True,
+                                               tokenize=False)
+        assert tokenizer.decode(r["prompt_token_ids"]) == prompt
+        assert PROMPT in prompt
+        assert tokenizer.decode(r["token_ids"], skip_special_tokens=True) == text, style
+        assert len(r["token_ids"]) <= MAX
+
+
+def test_sessions_from_keys_never_store_secrets(proxy, monkeypatch):
+    secret = "sk-ant-api03-THIS-IS-A-SECRET-KEY"
+    an = anthropic.Anthropic(api_key=secret, base_url=proxy.base_url, max_retries=0)
+    an.messages.create(model="claude", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    oa = openai.OpenAI(api_key=secret, base_url=proxy.base_url + "/v1", max_retries=0)
+    oa.chat.completions.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    rows = query(proxy.db, "SELECT DISTINCT session_id FROM calls")[1]
+    assert len(rows) == 1 and rows[0][0].startswith("key-")  # same key -> same session
+    dump = query(proxy.db, "SELECT * FROM calls")[1] + query(proxy.db, "SELECT * FROM sessions")[1]
+    assert secret not in repr(dump)
+    assert secret.encode() not in Path(proxy.db).read_bytes()
+
+
+def test_sql_reader_while_proxy_writes(proxy):
+    """Two processes on one file: mitmdump writing, `polar-mitm sql` reading."""
+    oa = openai.OpenAI(api_key="polar-conc~1", base_url=proxy.base_url + "/v1", max_retries=0, timeout=120)
+    answers, errors = [], []
+
+    def write():
+        try:
+            for _ in range(6):
+                r = oa.chat.completions.create(model="m", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+                answers.append(r.choices[0].message.content)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    t = threading.Thread(target=write)
+    t.start()
+    counts = []
+    cli = [sys.executable, "-m", "polar_mitm.cli", "sql", "--db", str(proxy.db), "--format", "csv",
+           "select count(*) from calls"]
+    while t.is_alive() or not counts:
+        out = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        counts.append(int(out.stdout.splitlines()[1]))
+    t.join()
+    assert not errors and len(answers) == 6
+    assert counts == sorted(counts)  # every read saw a consistent, growing table
+    final = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+    assert int(final.stdout.splitlines()[1]) == 6
+
+
+def test_sigkill_keeps_every_acknowledged_call(vllm_backend, start_proxy, tmp_path):
+    proxy = start_proxy(vllm_backend)
+    oa = openai.OpenAI(api_key="polar-kill~1", base_url=proxy.base_url + "/v1", max_retries=0, timeout=120)
+    n = 8
+    for _ in range(n):
+        oa.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    os.killpg(proxy.service.proc.pid, signal.SIGKILL)
+    proxy.service.proc.wait(10)
+    rows = query(proxy.db, "SELECT seq FROM calls WHERE session_id = 'kill~1' ORDER BY seq")[1]
+    assert [r[0] for r in rows] == list(range(1, n + 1))
+    # a new proxy on the same file carries on the session's numbering
+    again = start_proxy(vllm_backend, root=tmp_path / "again")
+    again_db = again.db
+    again.stop()
+    proxy2 = launch.start_proxy(db=proxy.db, backend=vllm_backend, port=launch.free_port(),
+                                confdir=proxy.confdir, log_path=tmp_path / "p2.log",
+                                reverse_port=(rp := launch.free_port()))
+    try:
+        oa2 = openai.OpenAI(api_key="polar-kill~1", base_url=f"http://127.0.0.1:{rp}/v1", max_retries=0)
+        oa2.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    finally:
+        proxy2.stop()
+    assert query(proxy.db, "SELECT max(seq), count(*) FROM calls")[1] == [(n + 1, n + 1)]
+    assert not Path(again_db).exists() or query(again_db, "SELECT count(*) FROM calls")[1] == [(0,)]

@@ -1,0 +1,115 @@
+"""Upstream failures reach the harness in its own provider's error shape, and are
+recorded as failed calls. The backend here is down, slow, broken or a small stand-in."""
+
+import anthropic
+import httpx
+import openai
+import pytest
+from google import genai
+from google.genai import errors as genai_errors, types
+
+from fake_vllm import FakeVLLM
+from polar_mitm import launch
+from polar_mitm.store import query
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def clients(proxy):
+    return (openai.OpenAI(base_url=proxy.base_url + "/v1", api_key="polar-fail~1", max_retries=0, timeout=30),
+            anthropic.Anthropic(base_url=proxy.base_url, api_key="polar-fail~2", max_retries=0, timeout=30),
+            genai.Client(api_key="polar-fail~3", http_options=types.HttpOptions(
+                base_url=proxy.base_url, retry_options=types.HttpRetryOptions(attempts=1))))
+
+
+def call_all(proxy):
+    oa, an, gg = clients(proxy)
+    errors = {}
+    with pytest.raises(openai.APIStatusError) as e:
+        oa.chat.completions.create(model="m", messages=MSG)
+    errors["openai_chat"] = e.value
+    with pytest.raises(openai.APIStatusError) as e:
+        oa.responses.create(model="m", input="hi", stream=True)
+    errors["openai_responses"] = e.value
+    with pytest.raises(anthropic.APIStatusError) as e:
+        an.messages.create(model="claude", max_tokens=5, messages=MSG)
+    errors["anthropic"] = e.value
+    with pytest.raises(genai_errors.APIError) as e:
+        gg.models.generate_content(model="gemini-2.5-flash", contents="hi")
+    errors["google"] = e.value
+    return errors
+
+
+def failed_rows(proxy):
+    return query(proxy.db, "SELECT style, status_code, error_kind, error FROM calls ORDER BY style")[1]
+
+
+def test_backend_down(start_proxy):
+    dead = f"http://127.0.0.1:{launch.free_port()}"   # nothing listens there
+    proxy = start_proxy(dead, ["polar_served_model=m"])
+    errors = call_all(proxy)
+    assert errors["openai_chat"].status_code == 503 and errors["openai_chat"].body["type"] == "server_error"
+    assert errors["openai_responses"].status_code == 503
+    assert errors["anthropic"].status_code == 529
+    assert errors["anthropic"].body["error"]["type"] == "overloaded_error"
+    assert errors["google"].code == 503 and errors["google"].status == "UNAVAILABLE"
+    rows = failed_rows(proxy)
+    assert [r[0] for r in rows] == ["anthropic", "google", "openai_chat", "openai_responses"]
+    assert all(r[2] == "overloaded" and "unavailable" in r[3] for r in rows)
+
+
+def test_backend_timeout(start_proxy):
+    with FakeVLLM(delay=3) as fake:
+        proxy = start_proxy(fake.url, ["polar_backend_timeout=1"])
+        errors = call_all(proxy)
+    assert errors["openai_chat"].status_code == 504
+    assert errors["anthropic"].status_code == 504 and errors["anthropic"].body["error"]["type"] == "timeout_error"
+    assert errors["google"].code == 504 and errors["google"].status == "DEADLINE_EXCEEDED"
+    assert {r[2] for r in failed_rows(proxy)} == {"timeout"}
+
+
+@pytest.mark.parametrize("mode,status,kind", [("500", 502, "backend_error"),
+                                               ("badjson", 502, "backend_error"),
+                                               ("context", 400, "context_too_long")])
+def test_backend_errors(start_proxy, mode, status, kind):
+    with FakeVLLM(mode) as fake:
+        proxy = start_proxy(fake.url)
+        errors = call_all(proxy)
+    assert errors["openai_chat"].status_code == status
+    assert errors["anthropic"].status_code == status
+    assert errors["google"].code == status
+    if kind == "context_too_long":
+        assert errors["openai_chat"].body["code"] == "context_length_exceeded"
+        assert errors["anthropic"].body["error"]["type"] == "invalid_request_error"
+        assert "maximum context length" in errors["anthropic"].body["error"]["message"]
+    assert {r[2] for r in failed_rows(proxy)} == {kind}
+
+
+def test_malformed_request_is_provider_400_and_recorded(start_proxy):
+    with FakeVLLM() as fake:
+        proxy = start_proxy(fake.url)
+        r = httpx.post(proxy.base_url + "/v1/messages", content=b"{not json", trust_env=False,
+                       headers={"x-api-key": "polar-bad~1", "content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["type"] == "error"
+        r = httpx.post(proxy.base_url + "/v1/chat/completions", json={"model": "m", "messages": "hi"},
+                       headers={"authorization": "Bearer polar-bad~2"}, trust_env=False)
+        assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+        assert fake.bodies == []  # nothing reached the backend
+    rows = query(proxy.db, "SELECT session_id, status_code, error_kind, request_json FROM calls ORDER BY session_id")[1]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("bad~1", 400, "invalid_request"), ("bad~2", 400, "invalid_request")]
+    assert rows[0][3] == '"{not json"'  # the raw body is kept
+
+
+def test_non_model_traffic_answered_locally(start_proxy):
+    with FakeVLLM() as fake:
+        proxy = start_proxy(fake.url)
+        h = dict(trust_env=False, timeout=10)
+        assert httpx.post(proxy.base_url + "/api/event_logging/v2/batch", json={"e": 1}, **h).status_code == 204
+        assert httpx.get(proxy.base_url + "/api/claude_code/policy_limits", **h).status_code == 404
+        assert httpx.head(proxy.base_url + "/", **h).status_code == 200
+        models = httpx.get(proxy.base_url + "/v1/models", **h).json()
+        assert models["data"][0]["id"] == "fake-model"
+        ws = httpx.get(proxy.base_url + "/v1/responses", headers={"upgrade": "websocket", "connection": "upgrade"}, **h)
+        assert ws.status_code == 404
+        assert fake.bodies == []
+    assert query(proxy.db, "SELECT count(*) FROM calls")[1] == [(0,)]

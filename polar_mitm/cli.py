@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -68,6 +69,27 @@ def export(db, out):
     """Export sessions and calls to Parquet."""
     for path in export_parquet(db, out):
         click.echo(path)
+
+
+@main.command("options")
+def show_options():
+    """The addon's --set options with types and defaults. (`mitmdump --options` lists only
+    built-in options: mitmdump loads -s scripts after printing.)"""
+    import asyncio
+
+    from mitmproxy import optmanager
+    from mitmproxy.test import taddons
+
+    from .addons.gateway import PolarGateway
+
+    async def dump() -> str:
+        with taddons.context(PolarGateway()) as tctx:
+            out = io.StringIO()
+            optmanager.dump_defaults(tctx.options, out)
+            return out.getvalue()
+
+    blocks = [b for b in asyncio.run(dump()).split("\n\n") if "\npolar_" in "\n" + b]
+    click.echo("\n\n".join(b.strip("\n") for b in blocks))
 
 
 @main.command("addon-path")

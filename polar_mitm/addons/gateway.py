@@ -68,25 +68,25 @@ class PolarGateway:
     # ---- lifecycle ---------------------------------------------------------------------
 
     def load(self, loader):
-        loader.add_option("polar_db", str, "rollouts.duckdb", "DuckDB file the calls are written to")
+        loader.add_option("polar_db", str, "rollouts.duckdb", "DuckDB file the calls are written to.")
         loader.add_option("polar_backend", str, "http://127.0.0.1:8000",
-                          "Base URL of the vLLM OpenAI-compatible server")
+                          "Base URL of the vLLM OpenAI-compatible server.")
         loader.add_option("polar_served_model", str, "",
-                          "Model name to ask the backend for (empty: the first one it serves)")
+                          "Model name to ask the backend for (empty: the first one it serves).")
         loader.add_option("polar_session_key", str, "auto",
                           "How calls are attributed to sessions: auto (proxy user, then API "
-                          "key, then client), proxy-user, api-key, client",
+                          "key, then client), proxy-user, api-key, client.",
                           choices=sessions.SCHEMES)
         loader.add_option("polar_sampling", Sequence[str], [],
                           "Sampling overrides sent to the backend, KEY=VALUE (JSON values); "
-                          "max_tokens caps the harness's own value")
+                          "max_tokens caps the harness's own value.")
         loader.add_option("polar_model_hosts", Sequence[str], [],
-                          "Regexes of hosts whose API calls are model calls (empty: any host)")
-        loader.add_option("polar_backend_timeout", int, 600, "Seconds to wait for the backend")
+                          "Regexes of hosts whose API calls are model calls (empty: any host).")
+        loader.add_option("polar_backend_timeout", int, 600, "Seconds to wait for the backend.")
         loader.add_option("polar_max_concurrency", int, 0,
-                          "Calls in flight to the backend at once (0: unlimited)")
+                          "Calls in flight to the backend at once (0: unlimited).")
         loader.add_option("polar_policy_version", str, "",
-                          "Policy tag recorded when the backend reports no weight version")
+                          "Policy tag recorded when the backend reports no weight version.")
 
     def configure(self, updated):
         if "polar_sampling" in updated:

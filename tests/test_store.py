@@ -1,0 +1,136 @@
+"""The store: migrations, group commit, and two processes sharing one file."""
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import duckdb
+import pytest
+
+from polar_mitm.store import CallWriter, StoreBusy, connect, export_parquet, init_db, query, set_reward, spool_path
+from polar_mitm.store.db import schema_version
+from polar_mitm.store.schema import MIGRATIONS
+
+SESSION = {"session_id": "task-a~1", "task_id": "task-a", "source": "api_key"}
+
+
+def record(i, **kw):
+    return {"call_id": f"c{i}", "style": "openai_chat", "prompt_token_ids": [1, 2, 3],
+            "token_ids": [4, 5], "logprobs": [-0.5, -0.25], "request_json": {"i": i},
+            "started_at": time.time(), "dropped": ["store"], "status_code": 200} | kw
+
+
+def test_migrations_are_versioned_and_idempotent(tmp_path):
+    db = tmp_path / "a.duckdb"
+    salt = init_db(db)
+    assert init_db(db) == salt  # the salt is made once per database
+    con = duckdb.connect(str(db))
+    assert schema_version(con) == len(MIGRATIONS)
+    views = {r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
+    assert {"session_turns", "session_summary", "task_groups", "failures"} <= views
+    con.close()
+
+
+def test_group_commit_assigns_sequence_numbers(tmp_path):
+    db = tmp_path / "a.duckdb"
+    w = CallWriter(db).start()
+    futures = [w.submit(SESSION, record(i)) for i in range(50)]
+    assert [f.result(10) for f in futures] == list(range(1, 51))
+    assert w.batches < 50  # records waiting during a commit share the next one
+    w.submit({"session_id": "other"}, record(99, error="boom", error_kind="backend_error", status_code=502)).result(10)
+    w.close()
+    assert query(db, "SELECT count(*), max(seq) FROM calls WHERE session_id = 'task-a~1'")[1] == [(50, 50)]
+    turns = query(db, "SELECT prompt_len, completion_len FROM session_turns LIMIT 1")[1]
+    assert turns == [(3, 2)]
+    assert query(db, "SELECT session_id, error_kind FROM failures")[1] == [("other", "backend_error")]
+    lp = query(db, "SELECT logprobs, request_json FROM calls WHERE call_id = 'c0'")[1][0]
+    assert lp[0] == [-0.5, -0.25] and lp[1] == '{"i":0}'
+
+
+def test_rewards_and_task_groups(tmp_path):
+    db = tmp_path / "a.duckdb"
+    w = CallWriter(db).start()
+    for i, sid in enumerate(["t~1", "t~2", "u~1"]):
+        w.submit({"session_id": sid, "task_id": sid.split("~")[0]}, record(i)).result(10)
+    w.close()
+    set_reward(db, "t~1", 1.0)
+    set_reward(db, "t~2", 0.0, info={"tests": "failed"})
+    rows = query(db, "SELECT task_id, sessions, rewarded, mean_reward FROM task_groups")[1]
+    assert rows == [("t", 2, 2, 0.5), ("u", 1, 0, None)]
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time, duckdb
+    con = duckdb.connect(sys.argv[1], read_only=True)
+    print("locked", flush=True)
+    time.sleep(float(sys.argv[2]))
+    con.close()
+""")
+
+
+def hold_lock(db, seconds):
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(db), str(seconds)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "locked"
+    return p
+
+
+def test_reader_in_another_process_delays_the_writer_briefly(tmp_path):
+    db = tmp_path / "a.duckdb"
+    w = CallWriter(db, lock_timeout=10).start()
+    holder = hold_lock(db, 0.5)
+    t0 = time.monotonic()
+    assert w.submit(SESSION, record(1)).result(20) == 1  # waited for the reader, then wrote
+    assert time.monotonic() - t0 >= 0.3
+    holder.wait()
+    w.close()
+    assert not spool_path(db).exists()
+
+
+def test_long_reader_spools_and_nothing_is_lost(tmp_path):
+    db = tmp_path / "a.duckdb"
+    w = CallWriter(db, lock_timeout=0.3).start()
+    holder = hold_lock(db, 1.5)
+    assert w.submit(SESSION, record(1)).result(20) is None  # acknowledged from the spool
+    assert spool_path(db).exists() and w.spooled == 1
+    holder.wait()
+    assert w.submit(SESSION, record(2)).result(20) == 2  # the spooled call went in first
+    w.close()
+    assert not spool_path(db).exists()
+    assert query(db, "SELECT call_id, seq FROM calls ORDER BY seq")[1] == [("c1", 1), ("c2", 2)]
+
+
+def test_busy_reader_gets_a_clear_error(tmp_path):
+    db = tmp_path / "a.duckdb"
+    init_db(db)
+    con = subprocess.Popen([sys.executable, "-c", "import duckdb,sys,time; c=duckdb.connect(sys.argv[1]); "
+                            "print('locked', flush=True); time.sleep(3)", str(db)], stdout=subprocess.PIPE, text=True)
+    assert con.stdout.readline().strip() == "locked"
+    with pytest.raises(StoreBusy, match="stayed locked"):
+        connect(db, read_only=True, timeout=0.3)
+    con.kill()
+    con.wait()
+
+
+def test_parquet_export(tmp_path):
+    db = tmp_path / "a.duckdb"
+    w = CallWriter(db).start()
+    w.submit(SESSION, record(1)).result(10)
+    w.close()
+    paths = export_parquet(db, tmp_path / "out")
+    assert [p.name for p in paths] == ["sessions.parquet", "calls.parquet"]
+    con = duckdb.connect()
+    assert con.execute(f"SELECT token_ids FROM '{paths[1]}'").fetchall() == [([4, 5],)]
+
+
+def test_sql_cli(tmp_path):
+    db = tmp_path / "a.duckdb"
+    w = CallWriter(db).start()
+    w.submit(SESSION, record(1)).result(10)
+    w.close()
+    out = subprocess.run([sys.executable, "-m", "polar_mitm.cli", "sql", "--db", str(db),
+                          "SELECT session_id, seq FROM calls"], capture_output=True, text=True, check=True)
+    assert "task-a~1" in out.stdout and "(1 row)" in out.stdout
+    missing = subprocess.run([sys.executable, "-m", "polar_mitm.cli", "sql", "--db", str(tmp_path / "no.duckdb"),
+                              "SELECT 1"], capture_output=True, text=True)
+    assert missing.returncode != 0 and "no database" in missing.stderr

@@ -50,6 +50,8 @@ class Service:
     def __init__(self, name: str, argv: list[str], env: dict | None = None, log_path: Path | None = None):
         self.name, self.argv = name, argv
         self.log_path = log_path
+        if log_path:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(log_path, "ab") if log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdout=log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
@@ -105,6 +107,28 @@ def wait_port(port: int, service: Service | None, timeout: float = 30.0) -> None
     raise TimeoutError(f"port {port} not open after {timeout:.0f}s")
 
 
+def wait_addon(port: int, service: Service, timeout: float = 20.0) -> None:
+    """The addon answers its health path itself. If it failed to load, mitmdump would
+    forward harness traffic to the real hosts, so refuse to run at all."""
+    from .addons.gateway import HEALTH_PATH
+
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        if not service.alive():
+            raise RuntimeError(f"{service.name} exited early:\n{service.tail()}")
+        try:
+            r = httpx.get(f"http://polar.health{HEALTH_PATH}", proxy=f"http://127.0.0.1:{port}",
+                          timeout=5, trust_env=False)
+            if r.status_code == 200 and r.json().get("polar") == "ok":
+                return
+            last = f"status {r.status_code}"
+        except (httpx.HTTPError, ValueError) as e:
+            last = repr(e)
+        time.sleep(0.2)
+    raise RuntimeError(f"the polar addon is not answering in mitmdump ({last}):\n{service.tail()}")
+
+
 def start_vllm(model_dir: str | Path, *, port: int, served_name: str, log_path: Path,
                max_model_len: int = 8192, chat_template: str | Path | None = None,
                tool_parser: str = "hermes", extra_args: list[str] | None = None,
@@ -143,6 +167,7 @@ def start_proxy(*, db: str | Path, backend: str, port: int, confdir: str | Path,
     service = Service("mitmdump", argv, None, log_path)
     try:
         wait_port(port, service)
+        wait_addon(port, service)
         if reverse_port:
             wait_port(reverse_port, service)
     except BaseException:

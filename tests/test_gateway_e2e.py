@@ -179,3 +179,32 @@ def test_sigkill_keeps_every_acknowledged_call(vllm_backend, start_proxy, tmp_pa
     finally:
         proxy2.stop()
     assert query(proxy.db, "SELECT max(seq), count(*) FROM calls")[1] == [(n + 1, n + 1)]
+
+
+def test_tool_conversation_renders_and_decodes(proxy, tokenizer):
+    """A second turn carrying a tool call and its result back: vLLM renders it with the
+    tool-aware template, and the recorded prompt ids are exactly that rendering."""
+    an = anthropic.Anthropic(api_key="polar-tools~1", base_url=proxy.base_url, max_retries=0, timeout=120)
+    tools = [{"name": "get_weather", "description": "Current weather for a city",
+              "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                               "required": ["city"]}}]
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": [
+                   {"type": "text", "text": "Let me check."},
+                   {"type": "tool_use", "id": "toolu_01", "name": "get_weather", "input": {"city": "Paris"}}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01",
+                                             "content": "18C and sunny", "is_error": False}]}]
+    m = an.messages.create(model="claude", max_tokens=MAX, tools=tools, messages=history)
+    assert m.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    cols, rows = query(proxy.db, "SELECT prompt_token_ids, backend_request_json, status_code FROM calls")
+    ids, backend_req, status = rows[0]
+    backend_req = json.loads(backend_req)
+    assert status == 200 and backend_req["tools"][0]["function"]["name"] == "get_weather"
+    prompt = tokenizer.decode(ids)
+    assert '"name": "get_weather"' in prompt  # the tool list reached the model
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert "<tool_response>\n18C and sunny\n</tool_response>" in prompt
+    template = (launch.TEMPLATES / "smollm2_tools.jinja").read_text()
+    assert prompt == tokenizer.apply_chat_template(backend_req["messages"], tools=backend_req["tools"],
+                                                   chat_template=template, add_generation_prompt=True,
+                                                   tokenize=False)

@@ -113,3 +113,48 @@ def test_non_model_traffic_answered_locally(start_proxy):
         assert ws.status_code == 404
         assert fake.bodies == []
     assert query(proxy.db, "SELECT count(*) FROM calls")[1] == [(0,)]
+
+
+def test_calls_run_concurrently(start_proxy):
+    """Hooks await the backend and the writer: slow calls overlap instead of queueing."""
+    import threading
+    import time
+
+    with FakeVLLM(delay=1.0) as fake:
+        proxy = start_proxy(fake.url)
+        oa = openai.OpenAI(base_url=proxy.base_url + "/v1", api_key="polar-par~1", max_retries=0)
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=oa.chat.completions.create,
+                                    kwargs={"model": "m", "messages": MSG}) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.monotonic() - t0
+    assert elapsed < 3.0, elapsed  # four 1 s backend calls, served side by side
+    assert query(proxy.db, "SELECT count(*), count(DISTINCT seq) FROM calls")[1] == [(4, 4)]
+
+
+def test_sampling_overrides_and_model_hosts(start_proxy):
+    with FakeVLLM() as fake:
+        proxy = start_proxy(fake.url, ["polar_sampling=temperature=1.0,max_tokens=5,top_p=1"])
+        oa = openai.OpenAI(base_url=proxy.base_url + "/v1", api_key="polar-s~1", max_retries=0)
+        oa.chat.completions.create(model="m", messages=MSG, max_tokens=100, temperature=0.2)
+        oa.chat.completions.create(model="m", messages=MSG, max_tokens=3)
+        first, second = fake.bodies
+        assert (first["temperature"], first["top_p"], first["max_tokens"]) == (1.0, 1, 5)
+        assert second["max_tokens"] == 3  # a cap, never a raise
+        assert first["return_token_ids"] is True and first["logprobs"] is True and first["stream"] is False
+    with FakeVLLM() as fake:
+        other = start_proxy(fake.url, [r"polar_model_hosts=^api\.anthropic\.com$"], root=proxy.db.parent / "h")
+        r = httpx.post(other.base_url + "/v1/chat/completions", json={"model": "m", "messages": MSG},
+                       trust_env=False)
+        assert r.status_code == 204 and fake.bodies == []  # 127.0.0.1 is not a model host here
+
+
+def test_launcher_refuses_a_proxy_whose_addon_did_not_load(tmp_path):
+    """A mitmdump without a working addon would forward harness traffic to the real hosts."""
+    with pytest.raises(RuntimeError, match="polar addon is not answering|exited early"):
+        launch.start_proxy(db=tmp_path / "x.duckdb", backend="http://127.0.0.1:1", port=launch.free_port(),
+                           confdir=tmp_path / "conf", log_path=tmp_path / "log",
+                           extra_sets=["polar_backend_timeout=0"])

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
-from typing import Sequence
-
 import httpx
 import orjson
 from mitmproxy import ctx, exceptions, http
@@ -27,9 +26,8 @@ from . import sessions
 
 log = logging.getLogger("polar")
 
-# Anthropic clients retry 529 (overloaded); the other providers use 503.
-_OVERLOADED_STATUS = {"anthropic": 529}
 _JSON = {"content-type": "application/json"}
+HEALTH_PATH = "/_polar/health"
 
 
 class BackendUnavailable(AdapterError):
@@ -40,10 +38,10 @@ class BackendTimeout(AdapterError):
     status, kind = 504, "timeout"
 
 
-def parse_overrides(items: Sequence[str]) -> dict:
-    """--set polar_sampling=temperature=1.0 --set polar_sampling=max_tokens=512"""
+def parse_overrides(text: str) -> dict:
+    """--set polar_sampling=temperature=1.0,max_tokens=512"""
     out = {}
-    for item in items:
+    for item in filter(None, (i.strip() for i in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise exceptions.OptionsError(f"polar_sampling: expected KEY=VALUE, got {item!r}")
@@ -63,6 +61,7 @@ class PolarGateway:
         self._served_model: str | None = None
         self._policy: tuple[float, str | None] = (0.0, None)
         self._slots: asyncio.Semaphore | None = None
+        self._model_hosts: re.Pattern | None = None
         self.calls = 0
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -77,11 +76,15 @@ class PolarGateway:
                           "How calls are attributed to sessions: auto (proxy user, then API "
                           "key, then client), proxy-user, api-key, client.",
                           choices=sessions.SCHEMES)
-        loader.add_option("polar_sampling", Sequence[str], [],
-                          "Sampling overrides sent to the backend, KEY=VALUE (JSON values); "
-                          "max_tokens caps the harness's own value.")
-        loader.add_option("polar_model_hosts", Sequence[str], [],
-                          "Regexes of hosts whose API calls are model calls (empty: any host).")
+        # Plain strings, not Sequence[str]: mitmproxy 11 rejects repeated --set of a script's
+        # sequence option ("Received multiple values"), and a failed addon load would let
+        # traffic through to the real hosts.
+        loader.add_option("polar_sampling", str, "",
+                          "Sampling overrides sent to the backend, comma-separated KEY=VALUE "
+                          "(JSON values), e.g. temperature=1.0,max_tokens=512; max_tokens "
+                          "caps the harness's own value.")
+        loader.add_option("polar_model_hosts", str, "",
+                          "Regex of hosts whose API calls are model calls (empty: any host).")
         loader.add_option("polar_backend_timeout", int, 600, "Seconds to wait for the backend.")
         loader.add_option("polar_max_concurrency", int, 0,
                           "Calls in flight to the backend at once (0: unlimited).")
@@ -91,6 +94,12 @@ class PolarGateway:
     def configure(self, updated):
         if "polar_sampling" in updated:
             self.overrides = parse_overrides(ctx.options.polar_sampling)
+        if "polar_model_hosts" in updated:
+            try:
+                hosts = ctx.options.polar_model_hosts
+                self._model_hosts = re.compile(hosts) if hosts else None
+            except re.error as e:
+                raise exceptions.OptionsError(f"polar_model_hosts: {e}") from None
         if "polar_backend_timeout" in updated and ctx.options.polar_backend_timeout <= 0:
             raise exceptions.OptionsError("polar_backend_timeout must be > 0")
         if "polar_db" in updated and self.writer and self.writer.db_path != ctx.options.polar_db:
@@ -142,6 +151,16 @@ class PolarGateway:
     async def request(self, flow: http.HTTPFlow):
         if flow.response is not None:
             return
+        try:
+            await self._route(flow)
+        except Exception as e:  # a bug must never let the request through to the real host
+            log.exception("polar: unexpected error")
+            if flow.response is None:
+                flow.response = http.Response.make(
+                    500, orjson.dumps({"error": {"message": f"polar-mitm internal error: {e}",
+                                                 "type": "api_error"}}), _JSON)
+
+    async def _route(self, flow: http.HTTPFlow):
         req = flow.request
         body = None
         if req.method == "POST":
@@ -208,7 +227,7 @@ class PolarGateway:
                           policy_version=tokens["policy_version"] or policy)
             status = 200
         except AdapterError as e:
-            status = _OVERLOADED_STATUS.get(style, e.status) if e.kind == "overloaded" else e.status
+            status = _overloaded_status(mod) if e.kind == "overloaded" else e.status
             answer = mod.error(status, str(e), e.kind)
             content, headers = orjson.dumps(answer), dict(_JSON)
             record.update(status_code=status, response_json=answer, error=str(e)[:2000],
@@ -219,7 +238,7 @@ class PolarGateway:
             await asyncio.wrap_future(self._ensure_writer().submit(session, record))
         except Exception as e:  # not recorded -> not acknowledged: the harness retries
             log.error("polar: could not record call: %s", e)
-            status = _OVERLOADED_STATUS.get(style, 503)
+            status = _overloaded_status(mod)
             content = orjson.dumps(mod.error(status, f"recording failed: {e}", "overloaded"))
             headers = dict(_JSON)
         self.calls += 1
@@ -280,9 +299,7 @@ class PolarGateway:
                                   scheme=ctx.options.polar_session_key)
 
     def _is_model_host(self, host: str) -> bool:
-        import re
-        patterns = ctx.options.polar_model_hosts
-        return not patterns or any(re.search(p, host) for p in patterns)
+        return self._model_hosts is None or bool(self._model_hosts.search(host))
 
     # ---- everything else ---------------------------------------------------------------
 
@@ -291,7 +308,10 @@ class PolarGateway:
         harness runs never hang, and never forwarded."""
         req = flow.request
         path, _ = split_path(req.path)
-        if _is_websocket(req):
+        if path == HEALTH_PATH:  # launchers check that the addon is loaded and answering
+            flow.response = http.Response.make(200, orjson.dumps(
+                {"polar": "ok", "db": ctx.options.polar_db, "calls": self.calls}), _JSON)
+        elif _is_websocket(req):
             # Codex tries Responses-over-WebSocket first and falls back to HTTPS on 404.
             flow.response = http.Response.make(404, b'{"error": "websocket transport not offered"}', _JSON)
         elif req.method == "POST" and is_count_tokens(path) and isinstance(body, dict):
@@ -338,11 +358,16 @@ class PolarGateway:
         except AdapterError as e:
             return http.Response.make(e.status, orjson.dumps(mod.error(e.status, str(e), e.kind)), _JSON)
         except httpx.HTTPError:
-            status = _OVERLOADED_STATUS.get(style, 503)
+            status = _overloaded_status(mod)
             return http.Response.make(status, orjson.dumps(
                 mod.error(status, "the model backend is unavailable", "overloaded")), _JSON)
         answer = {"totalTokens": count} if style == "google" else {"input_tokens": count}
         return http.Response.make(200, orjson.dumps(answer), _JSON)
+
+
+def _overloaded_status(mod) -> int:
+    # Anthropic clients retry 529 (overloaded); the other providers use 503.
+    return getattr(mod, "OVERLOADED_STATUS", 503)
 
 
 def _is_websocket(req: http.Request) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
 
 PROMPT = "Say hello in five words."
@@ -29,7 +30,7 @@ def drive(proxy_port: int, reverse_port: int, confdir: str | Path, max_tokens: i
         proxy = f"http://127.0.0.1:{proxy_port}" if regular else None
         base = None if regular else f"http://127.0.0.1:{reverse_port}"
         # Each SDK ships its own HTTP client class (openai: httpx, anthropic: httpx2).
-        http_args = {"proxy": proxy, "verify": ca} if regular else {}
+        http_args = {"proxy": proxy, "verify": ssl.create_default_context(cafile=ca)} if regular else {}
 
         oa = openai.OpenAI(api_key=f"polar-demo~openai-{mode}", max_retries=0,
                            base_url=(base + "/v1") if base else None,

@@ -32,6 +32,7 @@ def vllm_backend(tmp_path_factory):
 
 class Proxy:
     def __init__(self, root: Path, backend: str, extra_sets=None, db_name="calls.duckdb"):
+        self.backend = backend
         self.db = root / db_name
         self.confdir = root / "mitmproxy"
         self.port, self.reverse_port = launch.free_port(), launch.free_port()

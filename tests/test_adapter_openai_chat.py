@@ -229,3 +229,12 @@ def _assert_clean(body):
 def test_error_shapes():
     assert openai_chat.error(503, "busy")["error"]["type"] == "server_error"
     assert openai_chat.error(400, "too long", "context_too_long")["error"]["code"] == "context_length_exceeded"
+
+
+def test_detect_leaves_other_endpoints_alone():
+    h = {"x-goog-api-key": "k", "anthropic-version": "2023-06-01"}
+    assert detect("POST", "/v1beta/models/m:countTokens", h, {"contents": []}) is None
+    assert detect("POST", "/v1beta/models/m:embedContent", h, {"contents": []}) is None
+    assert detect("POST", "/v1/messages/count_tokens?beta=true", h, {"messages": []}) is None
+    assert detect("POST", "/v1/completions", {}, {"model": "m", "prompt": "x", "messages": []}) is None
+    assert detect("POST", "/gateway/anthropic", h, {"model": "m", "messages": []}) == "anthropic"

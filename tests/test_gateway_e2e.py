@@ -4,12 +4,14 @@ SDKs call through HTTPS_PROXY with the mitmproxy CA and through a base URL."""
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import anthropic
+import httpx
 import openai
 import pytest
 from google import genai
@@ -52,7 +54,7 @@ def sdk_clients(proxy, mode: str, key_prefix: str, monkeypatch):
                                 base_url=base),
             genai.Client(api_key=f"polar-{key_prefix}~{mode}-google", http_options=types.HttpOptions(
                 base_url=base, retry_options=types.HttpRetryOptions(attempts=1),
-                client_args={"verify": proxy.ca} if mode == "regular" else None)))
+                client_args={"verify": ssl.create_default_context(cafile=proxy.ca)} if mode == "regular" else None)))
 
 
 def every_style(oa, an, gg) -> list[tuple[str, bool, str, str]]:
@@ -96,8 +98,10 @@ def test_every_sdk_through_the_proxy_is_recorded_token_faithfully(proxy, tokeniz
     monkeypatch.delenv("HTTPS_PROXY", raising=False)
     cols, rows = query(proxy.db, """
         SELECT style, stream, requested_model, session_id, status_code, prompt_token_ids, token_ids,
-               logprobs, backend_request_json, response_json, finish_reason
+               logprobs, backend_request_json, response_json, finish_reason, policy_version
         FROM calls ORDER BY created_at, seq""")
+    info = httpx.get(proxy.backend + "/weight_info", trust_env=False)
+    weight_version = info.json()["weight_version"] if info.status_code == 200 else None
     assert len(rows) == len(calls) == 8  # one row per call
     template = (launch.TEMPLATES / "smollm2_tools.jinja").read_text()
     for (style, stream, model, text), row in zip(calls, rows):
@@ -115,6 +119,7 @@ def test_every_sdk_through_the_proxy_is_recorded_token_faithfully(proxy, tokeniz
         assert PROMPT in prompt
         assert tokenizer.decode(r["token_ids"], skip_special_tokens=True) == text, style
         assert len(r["token_ids"]) <= MAX
+        assert r["policy_version"] == weight_version  # the backend's own tag ("default" until an update)
 
 
 def test_sessions_from_keys_never_store_secrets(proxy, monkeypatch):
@@ -205,6 +210,24 @@ def test_tool_conversation_renders_and_decodes(proxy, tokenizer):
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
     assert "<tool_response>\n18C and sunny\n</tool_response>" in prompt
     template = (launch.TEMPLATES / "smollm2_tools.jinja").read_text()
+    # vLLM hands templates tool-call arguments as objects, not JSON text; do the same.
+    for m in backend_req["messages"]:
+        for call in m.get("tool_calls") or []:
+            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
     assert prompt == tokenizer.apply_chat_template(backend_req["messages"], tools=backend_req["tools"],
                                                    chat_template=template, add_generation_prompt=True,
                                                    tokenize=False)
+
+
+def test_count_tokens_answered_from_the_backend_tokenizer(proxy):
+    """Claude Code's /v1/messages/count_tokens and Gemini's :countTokens are answered locally
+    with the backend's tokenizer, so they agree with the prompt the model then gets."""
+    messages = [{"role": "user", "content": "Count my tokens, please."}]
+    an = anthropic.Anthropic(api_key="polar-count~1", base_url=proxy.base_url, max_retries=0, timeout=60)
+    counted = an.messages.count_tokens(model="claude", messages=messages, system="Be brief.").input_tokens
+    an.messages.create(model="claude", max_tokens=2, messages=messages, system="Be brief.")
+    gg = genai.Client(api_key="polar-count~2", http_options=types.HttpOptions(base_url=proxy.base_url))
+    g_counted = gg.models.count_tokens(model="gemini-2.5-flash", contents="Count my tokens, please.").total_tokens
+    rows = query(proxy.db, "SELECT len(prompt_token_ids) FROM calls WHERE session_id = 'count~1'")[1]
+    assert rows == [(counted,)] and counted > 5
+    assert g_counted > 5

@@ -134,3 +134,42 @@ def test_sql_cli(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "polar_mitm.cli", "sql", "--db", str(tmp_path / "no.duckdb"),
                               "SELECT 1"], capture_output=True, text=True)
     assert missing.returncode != 0 and "no database" in missing.stderr
+
+
+def test_busy_writer_lets_a_reader_and_a_reward_writer_in(tmp_path):
+    """Under continuous load the writer keeps its connection; a read request from another
+    process makes it let go, and it carries on afterwards without losing a call."""
+    import threading
+
+    db = tmp_path / "a.duckdb"
+    w = CallWriter(db).start()
+    stop = threading.Event()
+    acked = []
+
+    def load():
+        i = 0
+        while not stop.is_set():
+            acked.append(w.submit({"session_id": "busy"}, record(i)).result(20))
+            i += 1
+
+    t = threading.Thread(target=load)
+    t.start()
+    time.sleep(0.3)
+    before = len(acked)
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "polar_mitm.cli", "sql", "--db", str(db), "--format", "csv",
+                          "SELECT count(*) FROM calls"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    reward = subprocess.run([sys.executable, "-c", "import sys; from polar_mitm.store import set_reward; "
+                             "set_reward(sys.argv[1], 'busy', 1.0)", str(db)], capture_output=True, text=True, timeout=60)
+    assert reward.returncode == 0, reward.stderr
+    waited = time.monotonic() - t0
+    time.sleep(0.3)
+    stop.set()
+    t.join()
+    w.close()
+    assert int(out.stdout.splitlines()[1]) >= before > 0
+    assert waited < 15  # two process start-ups, not a lock timeout
+    assert w.spooled == 0 and all(a is not None for a in acked)
+    assert query(db, "SELECT count(*), max(seq) FROM calls")[1] == [(len(acked), len(acked))]
+    assert query(db, "SELECT reward FROM sessions WHERE session_id = 'busy'")[1] == [(1.0,)]

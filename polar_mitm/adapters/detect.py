@@ -11,6 +11,7 @@ STYLES = (ANTHROPIC, OPENAI_CHAT, OPENAI_RESPONSES, GOOGLE)
 
 _GOOGLE_PATH = re.compile(r"/models/(?P<model>[^/:]+):(?P<method>generateContent|streamGenerateContent)$")
 # Gemini CLI with Google login talks to Code Assist: the model is inside the body.
+_OTHER_ENDPOINT = re.compile(r"(:[A-Za-z]+|/count_tokens|/embeddings|/tokenize|/completions)$")
 _CODE_ASSIST_PATH = re.compile(r"/v1internal:(generateContent|streamGenerateContent)$")
 
 
@@ -56,6 +57,9 @@ def detect(method: str, path: str, headers: Mapping[str, str] | None = None,
     by_path = style_from_path(path)
     if by_path:
         return by_path
+    base, _ = split_path(path)
+    if _OTHER_ENDPOINT.search(base):  # countTokens, embeddings...: API calls, not generation
+        return None
     h = {k.lower(): v for k, v in (headers or {}).items()}
     if not isinstance(body, dict):
         return None

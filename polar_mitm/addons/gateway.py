@@ -168,8 +168,9 @@ class PolarGateway:
                 body = orjson.loads(req.get_content() or b"null")
             except (orjson.JSONDecodeError, ValueError):
                 body = None
-        style = adapters.detect(req.method, req.path, dict(req.headers), body) \
-            if self._is_model_host(req.pretty_host) else None
+        style = None
+        if self._is_model_host(req.pretty_host) and not is_count_tokens(req.path):
+            style = adapters.detect(req.method, req.path, dict(req.headers), body)
         if style and not _is_websocket(req):
             await self._model_call(flow, style, body)
         else:

@@ -1,13 +1,15 @@
 """All SQL lives in this package. DuckDB lets one process hold a read-write lock that
-blocks every other process, readers included, so nobody keeps the file open for long:
-the proxy's writer opens it per batch (milliseconds) and readers open it read-only per
-query; both retry while the other holds the lock."""
+blocks every other process, readers included. The proxy's writer holds the file only
+while calls keep coming, and readers announce themselves with a request file in
+`<db>.readers/`: the writer sees it before its next batch and lets go until they are done.
+Both sides retry while the other holds the lock."""
 
 from __future__ import annotations
 
 import os
 import random
 import time
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -21,9 +23,36 @@ class StoreBusy(RuntimeError):
     """The database stayed locked by another process for the whole timeout."""
 
 
+READ_REQUEST_STALE_S = 60.0  # a crashed reader's request file stops counting after this
+
+
 def _is_lock_error(e: Exception) -> bool:
     text = str(e)
-    return "Could not set lock" in text or "Conflicting lock" in text
+    # The last one: this process already has the file open read-write (the writer), which
+    # lets go once it sees the read request.
+    return ("Could not set lock" in text or "Conflicting lock" in text
+            or "different configuration" in text)
+
+
+def readers_dir(path: str | os.PathLike) -> Path:
+    return Path(f"{path}.readers")
+
+
+def readers_waiting(path: str | os.PathLike) -> bool:
+    """Whether a reader (of any process) has asked for the file."""
+    try:
+        entries = list(os.scandir(readers_dir(path)))
+    except FileNotFoundError:
+        return False
+    now = time.time()
+    for entry in entries:
+        try:
+            if now - entry.stat().st_mtime < READ_REQUEST_STALE_S:
+                return True
+            os.unlink(entry.path)
+        except FileNotFoundError:
+            pass
+    return False
 
 
 def connect(path: str | os.PathLike, *, read_only: bool = False,
@@ -34,7 +63,7 @@ def connect(path: str | os.PathLike, *, read_only: bool = False,
     while True:
         try:
             return duckdb.connect(str(path), read_only=read_only)
-        except duckdb.IOException as e:
+        except duckdb.Error as e:
             if not _is_lock_error(e) or time.monotonic() >= deadline:
                 if _is_lock_error(e):
                     raise StoreBusy(f"{path} stayed locked for {timeout:.0f}s: {e}") from e
@@ -44,24 +73,39 @@ def connect(path: str | os.PathLike, *, read_only: bool = False,
 
 
 @contextmanager
+def _announced(path: str | os.PathLike) -> Iterator[None]:
+    """Ask a running proxy's writer to let go of the file while we use it."""
+    request = readers_dir(path) / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    request.parent.mkdir(parents=True, exist_ok=True)
+    request.touch()
+    try:
+        yield
+    finally:
+        request.unlink(missing_ok=True)
+
+
+@contextmanager
 def reading(path: str | os.PathLike, timeout: float = 30.0) -> Iterator[duckdb.DuckDBPyConnection]:
     """A read-only connection, closed on exit so the proxy can write again."""
     if not Path(path).exists():
         raise FileNotFoundError(f"no database at {path}")
-    con = connect(path, read_only=True, timeout=timeout)
-    try:
-        yield con
-    finally:
-        con.close()
+    with _announced(path):
+        con = connect(path, read_only=True, timeout=timeout)
+        try:
+            yield con
+        finally:
+            con.close()
 
 
 @contextmanager
 def writing(path: str | os.PathLike, timeout: float = 30.0) -> Iterator[duckdb.DuckDBPyConnection]:
-    con = connect(path, timeout=timeout)
-    try:
-        yield con
-    finally:
-        con.close()
+    """A short read-write connection for another process (rewards, migrations)."""
+    with _announced(path):
+        con = connect(path, timeout=timeout)
+        try:
+            yield con
+        finally:
+            con.close()
 
 
 def schema_version(con: duckdb.DuckDBPyConnection) -> int:

@@ -5,6 +5,12 @@ the record's transaction is committed (fsynced WAL), so every call the harness g
 answer for survives a SIGKILL. Records that arrive while a batch is being written go
 into the next batch, so under load one commit covers many calls.
 
+Opening a DuckDB file costs tens of milliseconds, so while calls keep coming the writer
+keeps its connection (and so the file's lock) and lets go after `linger` seconds
+without work. Readers of other processes ask for the file by leaving a request file in
+`<db>.readers/` (store.reading does this); the writer sees it before its next batch,
+closes, and waits for the readers to finish before opening again.
+
 If another process holds the file past `lock_timeout`, the batch is appended to a
 spool file beside the database (fsynced) and imported by the next batch that gets
 the lock: the proxy never stalls on a long reader and nothing is lost."""
@@ -22,7 +28,7 @@ from pathlib import Path
 import orjson
 import pyarrow as pa
 
-from .db import StoreBusy, init_db, writing
+from .db import StoreBusy, connect, init_db, readers_waiting
 from .schema import CALL_COLUMNS, JSON_COLUMNS
 
 _ARROW_TYPES = {
@@ -41,9 +47,12 @@ def spool_path(db_path: str | os.PathLike) -> Path:
 
 
 class CallWriter:
-    def __init__(self, db_path: str | os.PathLike, *, lock_timeout: float = 10.0):
+    def __init__(self, db_path: str | os.PathLike, *, lock_timeout: float = 10.0,
+                 linger: float = 0.25):
         self.db_path = str(db_path)
         self.lock_timeout = lock_timeout
+        self.linger = linger
+        self._con = None
         self.salt = ""
         self._queue: queue.Queue = queue.Queue()
         self._seq: dict[str, int] = {}
@@ -73,7 +82,11 @@ class CallWriter:
     def _run(self) -> None:
         stopping = False
         while not stopping:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=self.linger if self._con else None)
+            except queue.Empty:
+                self._release()  # idle: let other processes have the file
+                continue
             batch = []
             while True:
                 if item is _STOP:
@@ -86,6 +99,25 @@ class CallWriter:
                     break
             if batch:
                 self._commit(batch)
+        self._release()
+
+    def _release(self) -> None:
+        if self._con is not None:
+            con, self._con = self._con, None
+            try:
+                con.close()
+            except Exception:  # closing must never kill the writer thread
+                pass
+
+    def _connection(self):
+        if readers_waiting(self.db_path):
+            self._release()
+            deadline = time.monotonic() + self.lock_timeout
+            while readers_waiting(self.db_path) and time.monotonic() < deadline:
+                time.sleep(0.005)
+        if self._con is None:
+            self._con = connect(self.db_path, timeout=self.lock_timeout)
+        return self._con
 
     def _commit(self, batch: list) -> None:
         try:
@@ -94,6 +126,7 @@ class CallWriter:
             self._spool([(s, r) for s, r, _ in batch])
             seqs = [None] * len(batch)
         except Exception as e:  # never leave a hook waiting forever
+            self._release()
             for _, _, fut in batch:
                 fut.set_exception(e)
             return
@@ -102,31 +135,33 @@ class CallWriter:
 
     def _write(self, items: list[tuple[dict, dict]]) -> list[int]:
         spool = spool_path(self.db_path)
-        with writing(self.db_path, timeout=self.lock_timeout) as con:
-            pending = _read_spool(spool)
-            all_items = pending + items
-            con.execute("BEGIN")
-            sessions = {s["session_id"]: s for s, _ in all_items}
+        con = self._connection()
+        pending = _read_spool(spool)
+        all_items = pending + items
+        sessions = {s["session_id"]: s for s, _ in all_items}
+        con.execute("BEGIN")
+        try:
             con.executemany(
                 "INSERT INTO sessions (session_id, task_id, source, client, user_agent) "
                 "VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
                 [[s["session_id"], s.get("task_id"), s.get("source"), s.get("client"),
                   s.get("user_agent")] for s in sessions.values()])
-            for sid in sessions:
-                if sid not in self._seq:
-                    self._seq[sid] = con.execute(
-                        "SELECT coalesce(max(seq), 0) FROM calls WHERE session_id = ?",
-                        [sid]).fetchone()[0]
-            seqs = []
-            rows = []
+            last = {sid: self._seq[sid] if sid in self._seq else con.execute(
+                "SELECT coalesce(max(seq), 0) FROM calls WHERE session_id = ?", [sid]).fetchone()[0]
+                for sid in sessions}
+            rows, seqs = [], []
             for s, r in all_items:
-                self._seq[s["session_id"]] += 1
-                seqs.append(self._seq[s["session_id"]])
+                last[s["session_id"]] += 1
+                seqs.append(last[s["session_id"]])
                 rows.append(r | {"session_id": s["session_id"], "seq": seqs[-1]})
             batch_table = _to_arrow(rows)  # noqa: F841  (read by the SQL below)
             cols = ", ".join(CALL_COLUMNS)
             con.execute(f"INSERT INTO calls ({cols}) SELECT {cols} FROM batch_table")
             con.execute("COMMIT")
+        except Exception:
+            con.execute("ROLLBACK")
+            raise
+        self._seq.update(last)  # only once committed, so a failed batch leaves no gaps
         if pending:
             spool.unlink(missing_ok=True)
         self.batches += 1

@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+.venv/bin/ruff check polar_mitm tests scripts polar_addon.py
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -7,9 +7,9 @@ from typing import Any
 import orjson
 
 from .chat import (DEFAULT_STATUS, MalformedRequest, UnsupportedContent, chunk_text, dumps,
-                   expect_type, int_or_none, kind_for_status, merge_system_first, new_request,
-                   number_or_none, parse_arguments, require, sse_event, stable_id, suffix_of,
-                   text_part)
+                   expect_type, int_or_none, kind_for_status, merge_system_first,
+                   model_and_messages, new_request, number_or_none, parse_arguments, require,
+                   sse_event, stable_id, suffix_of, text_part)
 from .detect import is_count_tokens
 
 STYLE = "anthropic"
@@ -36,11 +36,7 @@ _SERVER_BLOCKS = {"server_tool_use", "web_search_tool_result", "web_fetch_tool_r
 
 
 def to_chat(body: dict, path: str = "") -> dict:
-    expect_type(body, dict, "request body")
-    model = body.get("model")
-    require(isinstance(model, str) and model, "model: a non-empty string is required")
-    messages = body.get("messages")
-    require(isinstance(messages, list) and messages, "messages: a non-empty array is required")
+    model, messages = model_and_messages(body)
     max_tokens = body.get("max_tokens")
     if not is_count_tokens(path):  # count_tokens bodies carry no max_tokens
         require(max_tokens is not None, "max_tokens: an integer is required")

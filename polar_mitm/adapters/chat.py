@@ -119,6 +119,29 @@ def int_or_none(value: Any, where: str) -> int | None:
     return expect_type(value, int, where)
 
 
+def model_and_messages(body: Any) -> tuple[str, list]:
+    """The two fields every chat-style body (Anthropic, OpenAI Chat) must have."""
+    expect_type(body, dict, "request body")
+    model = body.get("model")
+    require(isinstance(model, str) and model, "model: a non-empty string is required")
+    messages = body.get("messages")
+    require(isinstance(messages, list) and messages, "messages: a non-empty array is required")
+    return model, messages
+
+
+def json_response_format(kind: Any, name: Any, schema: Any, where: str) -> dict | None:
+    """Structured-output request of OpenAI Chat (response_format) and Responses (text.format)."""
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        return {"type": "json_schema",
+                "name": expect_type(name, str, f"{where}.name") if name else "response",
+                "schema": {} if schema is None else expect_type(schema, dict, f"{where}.schema")}
+    raise MalformedRequest(f"{where}.type: unknown value {kind!r}")
+
+
 def text_part(text: str) -> dict:
     return {"type": "text", "text": text}
 

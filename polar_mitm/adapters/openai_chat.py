@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .chat import (MalformedRequest, UnsupportedContent, expect_type, int_or_none,
-                   kind_for_status, merge_system_first, new_request, number_or_none,
-                   parts_text, require, sse_event, chunk_text, text_part)
+from .chat import (UnsupportedContent, chunk_text, expect_type,
+                   int_or_none, json_response_format, kind_for_status, merge_system_first,
+                   model_and_messages, new_request, number_or_none, parts_text, require,
+                   sse_event, text_part)
 
 STYLE = "openai_chat"
 
@@ -17,11 +18,7 @@ _HANDLED = {"model", "messages", "stream", "tools", "tool_choice", "parallel_too
 
 
 def to_chat(body: dict, path: str = "") -> dict:
-    expect_type(body, dict, "request body")
-    model = body.get("model")
-    require(isinstance(model, str) and model, "model: a non-empty string is required")
-    messages = body.get("messages")
-    require(isinstance(messages, list) and messages, "messages: a non-empty array is required")
+    model, messages = model_and_messages(body)
     n = body.get("n")
     if n not in (None, 1):
         raise UnsupportedContent("n: only one choice per request is supported")
@@ -182,15 +179,10 @@ def _response_format(rf: Any):
         return None
     expect_type(rf, dict, "response_format")
     kind = rf.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "json_object"}
-    if kind == "json_schema":
-        js = expect_type(rf.get("json_schema"), dict, "response_format.json_schema")
-        return {"type": "json_schema", "name": js.get("name") or "response",
-                "schema": js.get("schema") or {}}
-    raise MalformedRequest(f"response_format.type: unknown value {kind!r}")
+    # Chat nests name and schema under json_schema; Responses has them flat.
+    js = expect_type(rf.get("json_schema"), dict, "response_format.json_schema") \
+        if kind == "json_schema" else {}
+    return json_response_format(kind, js.get("name"), js.get("schema"), "response_format")
 
 
 # ---- responses ------------------------------------------------------------------------

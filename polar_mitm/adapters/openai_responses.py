@@ -12,8 +12,9 @@ import orjson
 
 from . import openai_chat
 from .chat import (MalformedRequest, UnsupportedContent, chunk_text, dumps, expect_type,
-                   int_or_none, kind_for_status, merge_system_first, new_request,
-                   number_or_none, require, sse_event, stable_id, suffix_of, text_part)
+                   int_or_none, json_response_format, kind_for_status, merge_system_first,
+                   new_request, number_or_none, require, sse_event, stable_id, suffix_of,
+                   text_part)
 
 STYLE = "openai_responses"
 
@@ -267,17 +268,7 @@ def _text(conv: _Conversation, text: Any):
     if fmt is None:
         return None
     expect_type(fmt, dict, "text.format")
-    kind = fmt.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "json_object"}
-    if kind == "json_schema":  # flat here, unlike Chat's nested json_schema
-        name, schema = fmt.get("name"), fmt.get("schema")
-        return {"type": "json_schema",
-                "name": "response" if name is None else expect_type(name, str, "text.format.name"),
-                "schema": {} if schema is None else expect_type(schema, dict, "text.format.schema")}
-    raise MalformedRequest(f"text.format.type: unknown value {kind!r}")
+    return json_response_format(fmt.get("type"), fmt.get("name"), fmt.get("schema"), "text.format")
 
 
 def _reasoning(conv: _Conversation, provider: dict, reasoning: Any):

@@ -44,6 +44,8 @@ class FakeVLLM:
                     self._send(500, b'{"error":{"message":"engine crashed","type":"InternalServerError"}}')
                 elif fake.mode == "badjson":
                     self._send(200, b'{"choices": [')
+                elif fake.mode == "odd":  # valid JSON, not a completion
+                    self._send(200, b'{"choices": [{"message": null}]}')
                 elif fake.mode == "context":
                     self._send(400, b'{"error":{"message":"This model\'s maximum context length is 8192 tokens","type":"BadRequestError"}}')
                 else:

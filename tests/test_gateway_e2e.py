@@ -231,3 +231,24 @@ def test_count_tokens_answered_from_the_backend_tokenizer(proxy):
     rows = query(proxy.db, "SELECT len(prompt_token_ids) FROM calls WHERE session_id = 'count~1'")[1]
     assert rows == [(counted,)] and counted > 5
     assert g_counted > 5
+
+
+def test_gemini_router_call_gets_schema_shaped_json(proxy):
+    """Gemini CLI's first call asks for JSON fitting a schema (upper-case Google types) and
+    picks the main model from it; vLLM's structured output keeps the answer parseable."""
+    body = {"contents": [{"role": "user", "parts": [{"text": "Route this: fix a typo"}]}],
+            "systemInstruction": {"parts": [{"text": "You are a Task Routing AI."}]},
+            "generationConfig": {"responseMimeType": "application/json", "maxOutputTokens": 60,
+                                 "responseJsonSchema": {"type": "OBJECT", "properties": {
+                                     "complexity_reasoning": {"type": "STRING"},
+                                     "complexity_score": {"type": "INTEGER"}},
+                                     "required": ["complexity_reasoning", "complexity_score"]}}}
+    r = httpx.post(proxy.base_url + "/v1beta/models/gemini-3.5-flash-lite:generateContent", json=body,
+                   headers={"x-goog-api-key": "polar-router~1"}, trust_env=False, timeout=120)
+    assert r.status_code == 200, r.text
+    candidate = r.json()["candidates"][0]
+    if candidate["finishReason"] == "STOP":  # a cut-off answer cannot be whole JSON
+        answer = json.loads(candidate["content"]["parts"][0]["text"])
+        assert isinstance(answer["complexity_score"], int)
+    backend_req = json.loads(query(proxy.db, "SELECT backend_request_json FROM calls")[1][0][0])
+    assert backend_req["response_format"]["json_schema"]["schema"]["properties"]["complexity_score"] == {"type": "integer"}

@@ -70,6 +70,7 @@ def test_backend_timeout(start_proxy):
 
 @pytest.mark.parametrize("mode,status,kind", [("500", 502, "backend_error"),
                                                ("badjson", 502, "backend_error"),
+                                               ("odd", 500, "backend_error"),
                                                ("context", 400, "context_too_long")])
 def test_backend_errors(start_proxy, mode, status, kind):
     with FakeVLLM(mode) as fake:

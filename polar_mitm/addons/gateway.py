@@ -179,62 +179,27 @@ class PolarGateway:
     # ---- model calls -------------------------------------------------------------------
 
     async def _model_call(self, flow: http.HTTPFlow, style: str, body):
-        started = time.time()
         t0 = time.perf_counter()
         mod = adapters.adapter(style)
         req = flow.request
-        path, query = split_path(req.path)
-        session = self._session(flow, query)
+        session = self._session(flow, split_path(req.path)[1])
         record = {"call_id": str(uuid.uuid4()), "style": style, "method": req.method,
-                  "path": sessions.redact_query(req.path), "started_at": started,
-                  "request_json": body if body is not None else _raw_text(req)}
-        normalized = None
-        queue_ms = backend_ms = 0.0
+                  "path": sessions.redact_query(req.path), "started_at": time.time(),
+                  "request_json": body if body is not None else _raw_text(req),
+                  "queue_ms": 0.0, "backend_ms": 0.0}
         try:
-            if not isinstance(body, dict):
-                raise AdapterError("request body must be a JSON object")
-            normalized = mod.to_chat(body, req.path)
-            record.update(normalized_json=normalized, stream=normalized["stream"],
-                          requested_model=normalized["model"], dropped=normalized["dropped"])
-            served = await self._served()
-            backend_body = backend.to_backend(normalized, served, self.overrides)
-            record.update(served_model=served, backend_request_json=backend_body)
-            q0 = time.perf_counter()
-            if self._slots:
-                await self._slots.acquire()
-            queue_ms = (time.perf_counter() - q0) * 1000
-            try:
-                b0 = time.perf_counter()
-                resp_json, policy = await asyncio.gather(self._complete(backend_body),
-                                                         self._policy_version())
-                backend_ms = (time.perf_counter() - b0) * 1000
-            finally:
-                if self._slots:
-                    self._slots.release()
-            result, tokens = backend.from_backend(resp_json, normalized)
-            answer = mod.from_chat(result, normalized)
-            if normalized["stream"]:
-                content = b"".join(mod.stream(result, normalized))
-                headers = {"content-type": adapters.stream_content_type(normalized),
-                           "cache-control": "no-cache"}
-            else:
-                content, headers = orjson.dumps(answer), dict(_JSON)
-            record.update(status_code=200, response_json=answer,
-                          prompt_token_ids=tokens["prompt_token_ids"], token_ids=tokens["token_ids"],
-                          logprobs=tokens["logprobs"], finish_reason=result["finish_reason"],
-                          prompt_tokens=result["usage"]["prompt_tokens"],
-                          completion_tokens=result["usage"]["completion_tokens"],
-                          usage_json=result["usage"],
-                          policy_version=tokens["policy_version"] or policy)
-            status = 200
-        except AdapterError as e:
-            status = _overloaded_status(mod) if e.kind == "overloaded" else e.status
-            answer = mod.error(status, str(e), e.kind)
+            status, content, headers = await self._serve(mod, body, req.path, record)
+        except Exception as e:  # recorded like any failure; the harness gets its own error shape
+            if not isinstance(e, AdapterError):
+                log.exception("polar: unexpected error in a model call")
+            status, kind = (e.status, e.kind) if isinstance(e, AdapterError) else (500, "backend_error")
+            if kind == "overloaded":
+                status = _overloaded_status(mod)
+            answer = mod.error(status, str(e) or type(e).__name__, kind)
             content, headers = orjson.dumps(answer), dict(_JSON)
-            record.update(status_code=status, response_json=answer, error=str(e)[:2000],
-                          error_kind=e.kind)
-        record.update(queue_ms=queue_ms, backend_ms=backend_ms,
-                      total_ms=(time.perf_counter() - t0) * 1000)
+            record.update(status_code=status, response_json=answer, error=str(e)[:2000] or repr(e),
+                          error_kind=kind)
+        record["total_ms"] = (time.perf_counter() - t0) * 1000
         try:
             await asyncio.wrap_future(self._ensure_writer().submit(session, record))
         except Exception as e:  # not recorded -> not acknowledged: the harness retries
@@ -244,6 +209,41 @@ class PolarGateway:
             headers = dict(_JSON)
         self.calls += 1
         flow.response = http.Response.make(status, content, headers)
+
+    async def _serve(self, mod, body, path: str, record: dict) -> tuple[int, bytes, dict]:
+        """Translate, complete on the backend, answer in the client's format; fills record."""
+        if not isinstance(body, dict):
+            raise AdapterError("request body must be a JSON object")
+        normalized = mod.to_chat(body, path)
+        record.update(normalized_json=normalized, stream=normalized["stream"],
+                      requested_model=normalized["model"], dropped=normalized["dropped"])
+        served = await self._served()
+        backend_body = backend.to_backend(normalized, served, self.overrides)
+        record.update(served_model=served, backend_request_json=backend_body)
+        q0 = time.perf_counter()
+        if self._slots:
+            await self._slots.acquire()
+        try:
+            b0 = time.perf_counter()
+            record["queue_ms"] = (b0 - q0) * 1000
+            resp_json, policy = await asyncio.gather(self._complete(backend_body),
+                                                     self._policy_version())
+            record["backend_ms"] = (time.perf_counter() - b0) * 1000
+        finally:
+            if self._slots:
+                self._slots.release()
+        result, tokens = backend.from_backend(resp_json, normalized)
+        answer = mod.from_chat(result, normalized)
+        record.update(status_code=200, response_json=answer,
+                      prompt_token_ids=tokens["prompt_token_ids"], token_ids=tokens["token_ids"],
+                      logprobs=tokens["logprobs"], finish_reason=result["finish_reason"],
+                      prompt_tokens=result["usage"]["prompt_tokens"],
+                      completion_tokens=result["usage"]["completion_tokens"],
+                      usage_json=result["usage"], policy_version=tokens["policy_version"] or policy)
+        if normalized["stream"]:
+            return 200, b"".join(mod.stream(result, normalized)), {
+                "content-type": adapters.stream_content_type(normalized), "cache-control": "no-cache"}
+        return 200, orjson.dumps(answer), dict(_JSON)
 
     async def _complete(self, backend_body: dict) -> dict:
         url = ctx.options.polar_backend.rstrip("/") + "/v1/chat/completions"

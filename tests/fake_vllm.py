@@ -32,7 +32,7 @@ class FakeVLLM:
 
             def do_GET(self):
                 if self.path == "/v1/models":
-                    self._send(200, b'{"object":"list","data":[{"id":"fake-model"}]}')
+                    self._send(200, b'{"object":"list","data":[{"id":"fake-model","max_model_len":4096}]}')
                 else:
                     self._send(404, b'{"detail":"Not Found"}')
 

@@ -252,3 +252,4 @@ def test_gemini_router_call_gets_schema_shaped_json(proxy):
         assert isinstance(answer["complexity_score"], int)
     backend_req = json.loads(query(proxy.db, "SELECT backend_request_json FROM calls")[1][0][0])
     assert backend_req["response_format"]["json_schema"]["schema"]["properties"]["complexity_score"] == {"type": "integer"}
+

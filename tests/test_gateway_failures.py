@@ -159,3 +159,14 @@ def test_launcher_refuses_a_proxy_whose_addon_did_not_load(tmp_path):
         launch.start_proxy(db=tmp_path / "x.duckdb", backend="http://127.0.0.1:1", port=launch.free_port(),
                            confdir=tmp_path / "conf", log_path=tmp_path / "log",
                            extra_sets=["polar_backend_timeout=0"])
+
+
+def test_max_tokens_capped_at_the_backend_context(start_proxy):
+    """Claude Code asks for max_tokens=64000; vLLM refuses any max_tokens above its context
+    length (it clamps smaller ones to what is left), so the proxy caps at the listed one."""
+    with FakeVLLM() as fake:
+        proxy = start_proxy(fake.url)
+        an = anthropic.Anthropic(api_key="polar-cap~1", base_url=proxy.base_url, max_retries=0, timeout=30)
+        an.messages.create(model="claude-opus-4-8", max_tokens=64000, messages=MSG)
+        an.messages.create(model="claude-opus-4-8", max_tokens=100, messages=MSG)
+        assert [b["max_tokens"] for b in fake.bodies] == [4096, 100]

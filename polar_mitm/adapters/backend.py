@@ -57,8 +57,13 @@ def _message(m: dict) -> dict:
     return out
 
 
-def to_backend(request: dict, served_model: str, overrides: dict | None = None) -> dict:
-    """The body POSTed to the backend's /v1/chat/completions."""
+def to_backend(request: dict, served_model: str, overrides: dict | None = None,
+               max_model_len: int | None = None) -> dict:
+    """The body POSTed to the backend's /v1/chat/completions.
+
+    Harnesses ask for more output than open models hold (Claude Code: 64000); vLLM rejects
+    max_tokens above its context length, so it is capped there and vLLM stops at the end of
+    the context instead."""
     messages = [_message(m) for m in request["messages"]]
     body: dict = {"model": served_model, "messages": messages, "stream": False, **TOKEN_FIELDS}
     if messages and messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
@@ -93,6 +98,8 @@ def to_backend(request: dict, served_model: str, overrides: dict | None = None) 
             body[key] = min(body[key], value)  # a cap, never a raise
         else:
             body[key] = value
+    if max_model_len and body.get("max_tokens") and body["max_tokens"] > max_model_len:
+        body["max_tokens"] = max_model_len
     return body
 
 

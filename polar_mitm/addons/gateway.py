@@ -59,6 +59,8 @@ class PolarGateway:
         self.overrides: dict = {}
         self._proxy_users: dict[str, str] = {}   # client connection id -> proxy-auth user
         self._served_model: str | None = None
+        self._max_model_len: int | None = None   # from the backend's model list
+        self._model_listed = False
         self._policy: tuple[float, str | None] = (0.0, None)
         self._slots: asyncio.Semaphore | None = None
         self._model_hosts: re.Pattern | None = None
@@ -105,8 +107,9 @@ class PolarGateway:
         if "polar_db" in updated and self.writer and self.writer.db_path != ctx.options.polar_db:
             self.writer.close()
             self.writer = None
-        if "polar_served_model" in updated:
+        if "polar_served_model" in updated or "polar_backend" in updated:
             self._served_model = ctx.options.polar_served_model or None
+            self._model_listed = False
         # Every answer is made here: never connect to the real provider hosts.
         if ctx.options.connection_strategy != "lazy":
             ctx.options.connection_strategy = "lazy"
@@ -218,7 +221,7 @@ class PolarGateway:
         record.update(normalized_json=normalized, stream=normalized["stream"],
                       requested_model=normalized["model"], dropped=normalized["dropped"])
         served = await self._served()
-        backend_body = backend.to_backend(normalized, served, self.overrides)
+        backend_body = backend.to_backend(normalized, served, self.overrides, self._max_model_len)
         record.update(served_model=served, backend_request_json=backend_body)
         q0 = time.perf_counter()
         if self._slots:
@@ -263,12 +266,17 @@ class PolarGateway:
             raise backend.BackendError("the model backend answered with invalid JSON") from None
 
     async def _served(self) -> str:
-        if self._served_model:
+        if self._model_listed:
             return self._served_model
         url = ctx.options.polar_backend.rstrip("/") + "/v1/models"
         try:
             resp = await self._http().get(url, timeout=10)
-            self._served_model = resp.json()["data"][0]["id"]
+            models = resp.json()["data"]
+            wanted = self._served_model or models[0]["id"]
+            entry = next((m for m in models if m["id"] == wanted), models[0])
+            self._max_model_len = entry.get("max_model_len")
+            self._served_model = wanted
+            self._model_listed = True
         except (httpx.HTTPError, ValueError, KeyError, IndexError):
             raise BackendUnavailable("the model backend is unavailable (no model list)") from None
         return self._served_model

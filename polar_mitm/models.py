@@ -44,9 +44,13 @@ def ensure_default_model(log=print) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         _convert(gguf_path(), tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)  # atomic: a half-written directory is never used
+        if target.exists():  # an incomplete leftover
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            tmp.rename(target)  # atomic: a half-written directory is never used
+        except OSError:
+            if not (target / "config.json").exists():  # not just another process winning the race
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

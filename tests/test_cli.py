@@ -1,0 +1,69 @@
+"""The commands users run: `polar-mitm up` with their own backend, `options`, `export`."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+
+from fake_vllm import FakeVLLM
+from polar_mitm import launch
+from polar_mitm.store import query
+
+CLI = [sys.executable, "-m", "polar_mitm.cli"]
+
+
+def test_up_serves_records_and_stops_on_ctrl_c(tmp_path):
+    db = tmp_path / "r.duckdb"
+    port, rport = launch.free_port(), launch.free_port()
+    with FakeVLLM() as fake:
+        p = subprocess.Popen(CLI + ["up", "--db", str(db), "--backend", fake.url, "--port", str(port),
+                                    "--reverse-port", str(rport), "--confdir", str(tmp_path / "conf")],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, "POLAR_MITM_CACHE": str(tmp_path / "cache")})
+        lines = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            lines.append(p.stdout.readline())
+            if "base URL" in lines[-1]:
+                break
+        out = "".join(lines)
+        assert f"export HTTPS_PROXY=http://127.0.0.1:{port}" in out
+        assert "NODE_EXTRA_CA_CERTS=" in out and "SSL_CERT_FILE=" in out
+        oa = openai.OpenAI(base_url=f"http://127.0.0.1:{rport}/v1", api_key="polar-up~1", max_retries=0)
+        assert oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}]).choices
+        p.send_signal(signal.SIGINT)
+        assert p.wait(30) == 0
+    assert query(db, "SELECT session_id, status_code FROM calls")[1] == [("up~1", 200)]
+    assert (tmp_path / "conf" / "mitmproxy-ca-cert.pem").exists()
+    try:  # everything it started is gone
+        httpx.get(f"http://127.0.0.1:{rport}/", timeout=2, trust_env=False)
+        raise AssertionError("the proxy is still listening")
+    except httpx.ConnectError:
+        pass
+
+
+def test_options_lists_the_addon_options():
+    out = subprocess.run(CLI + ["options"], capture_output=True, text=True, check=True).stdout
+    for name in ("polar_db", "polar_backend", "polar_served_model", "polar_session_key",
+                 "polar_sampling", "polar_model_hosts", "polar_backend_timeout"):
+        assert f"\n{name}:" in "\n" + out
+    assert "Type str." in out
+
+
+def test_export_and_json_output(tmp_path):
+    from polar_mitm.store import CallWriter
+    db = tmp_path / "r.duckdb"
+    w = CallWriter(db).start()
+    w.submit({"session_id": "s"}, {"call_id": "c", "token_ids": [1, 2]}).result(10)
+    w.close()
+    rows = subprocess.run(CLI + ["sql", "--db", str(db), "--format", "json", "SELECT call_id, token_ids FROM calls"],
+                          capture_output=True, text=True, check=True).stdout.splitlines()
+    assert [json.loads(r) for r in rows] == [{"call_id": "c", "token_ids": [1, 2]}]
+    out = subprocess.run(CLI + ["export", "--db", str(db), "--out", str(tmp_path / "pq")],
+                         capture_output=True, text=True, check=True).stdout
+    assert "calls.parquet" in out and (tmp_path / "pq" / "sessions.parquet").exists()

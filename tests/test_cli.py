@@ -50,7 +50,7 @@ def test_up_serves_records_and_stops_on_ctrl_c(tmp_path):
 def test_options_lists_the_addon_options():
     out = subprocess.run(CLI + ["options"], capture_output=True, text=True, check=True).stdout
     for name in ("polar_db", "polar_backend", "polar_served_model", "polar_session_key",
-                 "polar_sampling", "polar_model_hosts", "polar_backend_timeout"):
+                 "polar_sampling", "polar_model_hosts", "polar_model_paths", "polar_backend_timeout"):
         assert f"\n{name}:" in "\n" + out
     assert "Type str." in out
 

@@ -151,6 +151,14 @@ def test_sampling_overrides_and_model_hosts(start_proxy):
         r = httpx.post(other.base_url + "/v1/chat/completions", json={"model": "m", "messages": MSG},
                        trust_env=False)
         assert r.status_code == 204 and fake.bodies == []  # 127.0.0.1 is not a model host here
+    with FakeVLLM() as fake:
+        only = start_proxy(fake.url, [r"polar_model_paths=^/v1/messages$"], root=proxy.db.parent / "p")
+        r = httpx.post(only.base_url + "/v1/chat/completions", json={"model": "m", "messages": MSG},
+                       trust_env=False)
+        assert r.status_code == 204 and fake.bodies == []
+        r = httpx.post(only.base_url + "/v1/messages?beta=true", trust_env=False,
+                       json={"model": "m", "max_tokens": 5, "messages": MSG})
+        assert r.status_code == 200 and len(fake.bodies) == 1
 
 
 def test_launcher_refuses_a_proxy_whose_addon_did_not_load(tmp_path):

@@ -63,7 +63,7 @@ class PolarGateway:
         self._model_listed = False
         self._policy: tuple[float, str | None] = (0.0, None)
         self._slots: asyncio.Semaphore | None = None
-        self._model_hosts: re.Pattern | None = None
+        self._filters: dict[str, re.Pattern | None] = {}  # polar_model_hosts/_paths
         self.calls = 0
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -87,6 +87,9 @@ class PolarGateway:
                           "caps the harness's own value.")
         loader.add_option("polar_model_hosts", str, "",
                           "Regex of hosts whose API calls are model calls (empty: any host).")
+        loader.add_option("polar_model_paths", str, "",
+                          "Regex of request paths that may be model calls (empty: any path "
+                          "the adapters recognise); other paths are answered locally.")
         loader.add_option("polar_backend_timeout", int, 600, "Seconds to wait for the backend.")
         loader.add_option("polar_max_concurrency", int, 0,
                           "Calls in flight to the backend at once (0: unlimited).")
@@ -96,12 +99,13 @@ class PolarGateway:
     def configure(self, updated):
         if "polar_sampling" in updated:
             self.overrides = parse_overrides(ctx.options.polar_sampling)
-        if "polar_model_hosts" in updated:
-            try:
-                hosts = ctx.options.polar_model_hosts
-                self._model_hosts = re.compile(hosts) if hosts else None
-            except re.error as e:
-                raise exceptions.OptionsError(f"polar_model_hosts: {e}") from None
+        for name in ("polar_model_hosts", "polar_model_paths"):
+            if name in updated:
+                try:
+                    value = getattr(ctx.options, name)
+                    self._filters[name] = re.compile(value) if value else None
+                except re.error as e:
+                    raise exceptions.OptionsError(f"{name}: {e}") from None
         if "polar_backend_timeout" in updated and ctx.options.polar_backend_timeout <= 0:
             raise exceptions.OptionsError("polar_backend_timeout must be > 0")
         if "polar_db" in updated and self.writer and self.writer.db_path != ctx.options.polar_db:
@@ -172,7 +176,7 @@ class PolarGateway:
             except (orjson.JSONDecodeError, ValueError):
                 body = None
         style = None
-        if self._is_model_host(req.pretty_host) and not is_count_tokens(req.path):
+        if self._may_be_model_call(req) and not is_count_tokens(req.path):
             style = adapters.detect(req.method, req.path, dict(req.headers), body)
         if style and not _is_websocket(req):
             await self._model_call(flow, style, body)
@@ -307,8 +311,10 @@ class PolarGateway:
                                   salt=self._ensure_writer().salt,
                                   scheme=ctx.options.polar_session_key)
 
-    def _is_model_host(self, host: str) -> bool:
-        return self._model_hosts is None or bool(self._model_hosts.search(host))
+    def _may_be_model_call(self, req: http.Request) -> bool:
+        hosts, paths = self._filters.get("polar_model_hosts"), self._filters.get("polar_model_paths")
+        return ((hosts is None or bool(hosts.search(req.pretty_host)))
+                and (paths is None or bool(paths.search(split_path(req.path)[0]))))
 
     # ---- everything else ---------------------------------------------------------------
 

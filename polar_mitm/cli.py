@@ -55,10 +55,12 @@ def _cell(v) -> str:
               help="Seconds to wait while the proxy holds the write lock")
 def sql(statement, db, fmt, timeout):
     """Run one read-only SQL statement on the database (safe while the proxy runs)."""
+    import duckdb
+
     try:
         columns, rows = query(db, statement, timeout=timeout)
-    except FileNotFoundError as e:
-        raise click.ClickException(str(e))
+    except (FileNotFoundError, duckdb.Error) as e:  # e.g. a write on the read-only connection
+        raise click.ClickException(str(e)) from None
     _print_table(columns, rows, fmt)
 
 

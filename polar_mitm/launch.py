@@ -181,5 +181,5 @@ def proxy_env(port: int, confdir: str | Path, user: str | None = None) -> dict[s
     auth = f"{user}:x@" if user else ""
     ca = str(Path(confdir) / "mitmproxy-ca-cert.pem")
     return {"HTTPS_PROXY": f"http://{auth}127.0.0.1:{port}", "HTTP_PROXY": f"http://{auth}127.0.0.1:{port}",
-            "NO_PROXY": "", "NODE_EXTRA_CA_CERTS": ca, "SSL_CERT_FILE": ca,
+            "NODE_EXTRA_CA_CERTS": ca, "SSL_CERT_FILE": ca,
             "REQUESTS_CA_BUNDLE": ca, "CODEX_CA_CERTIFICATE": ca}

@@ -164,9 +164,10 @@ def test_sampling_overrides_and_model_hosts(start_proxy):
 def test_launcher_refuses_a_proxy_whose_addon_did_not_load(tmp_path):
     """A mitmdump without a working addon would forward harness traffic to the real hosts."""
     with pytest.raises(RuntimeError, match="polar addon is not answering|exited early"):
-        launch.start_proxy(db=tmp_path / "x.duckdb", backend="http://127.0.0.1:1", port=launch.free_port(),
-                           confdir=tmp_path / "conf", log_path=tmp_path / "log",
-                           extra_sets=["polar_backend_timeout=0"])
+        started = launch.start_proxy(db=tmp_path / "x.duckdb", backend="http://127.0.0.1:1",
+                                     port=launch.free_port(), confdir=tmp_path / "conf",
+                                     log_path=tmp_path / "log", extra_sets=["polar_backend_timeout=0"])
+        started.stop()  # not reached when the launcher refuses, as it must
 
 
 def test_max_tokens_capped_at_the_backend_context(start_proxy):

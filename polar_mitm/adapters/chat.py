@@ -37,7 +37,6 @@ Normalized result (what the backend produced, provider-neutral)::
 from __future__ import annotations
 
 import hashlib
-import time
 from typing import Any, Iterable
 
 import orjson
@@ -66,10 +65,7 @@ class UnsupportedContent(AdapterError):
     """Valid for the provider, but not something the backend can take (e.g. audio)."""
 
 
-# Error kinds shared by every provider's error(); each adapter maps them to its own body.
-ERROR_KINDS = ("invalid_request", "context_too_long", "overloaded", "timeout",
-               "backend_error", "not_found", "authentication", "rate_limit")
-
+# The error kinds every provider's error() maps to its own body, with their usual status.
 DEFAULT_STATUS = {"invalid_request": 400, "context_too_long": 400, "overloaded": 503,
                   "timeout": 504, "backend_error": 502, "not_found": 404,
                   "authentication": 401, "rate_limit": 429}
@@ -232,7 +228,3 @@ def sse_event(data: Any, event: str | None = None) -> bytes:
         payload = payload.encode()
     head = f"event: {event}\n".encode() if event else b""
     return head + b"data: " + payload + b"\n\n"
-
-
-def now() -> int:
-    return int(time.time())

@@ -208,7 +208,3 @@ def _to_arrow(rows: list[dict]) -> pa.Table:
                       for v in values]
         arrays[col] = pa.array(values, type=_ARROW_TYPES.get(col, pa.string()))
     return pa.table(arrays)
-
-
-def now_ts() -> float:
-    return time.time()

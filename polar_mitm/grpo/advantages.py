@@ -1,0 +1,59 @@
+"""Group-relative advantages and the per-token weights that normalize the loss. Plain
+Python: both depend only on the calls and rewards, never on the builder, so the three
+builders optimize one objective."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from .rollouts import Call
+
+NORMALIZATIONS = ("token", "session")
+
+
+@dataclass(frozen=True)
+class AdvantageConfig:
+    scale_std: bool = True        # divide by the group's reward std (GRPO); off = Dr. GRPO
+    leave_one_out: bool = False   # baseline = mean of the *other* sessions (RLOO / Polar)
+    eps: float = 1e-6
+
+
+def group_advantages(rewards: Mapping[str, float], group_of: Mapping[str, str],
+                     cfg: AdvantageConfig = AdvantageConfig()) -> dict[str, float]:
+    """Session -> advantage. A group whose rewards are all equal (or that has a single
+    session) carries no signal: its advantages are exactly zero."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    for s in rewards:
+        groups[group_of[s]].append(s)
+    out = {}
+    for members in groups.values():
+        r = [float(rewards[s]) for s in members]
+        n = len(r)
+        mean = sum(r) / n
+        std = math.sqrt(sum((x - mean) ** 2 for x in r) / n)
+        if n < 2 or std <= cfg.eps * max(1.0, abs(mean)):
+            out.update({s: 0.0 for s in members})
+            continue
+        for s, x in zip(members, r):
+            a = (x - (sum(r) - x) / (n - 1)) if cfg.leave_one_out else x - mean
+            out[s] = a / (std + cfg.eps) if cfg.scale_std else a
+    return out
+
+
+def token_weights(calls: Sequence[Call], normalization: str = "token") -> list[list[float]]:
+    """Per call, per sampled token: its weight in the step's loss (they sum to 1).
+    token: every trained token counts the same; session: every session counts the same,
+    spread over its tokens."""
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization must be one of {NORMALIZATIONS}")
+    if normalization == "token":
+        total = sum(len(c.tokens) for c in calls) or 1
+        return [[1.0 / total] * len(c.tokens) for c in calls]
+    per_session: dict[str, int] = defaultdict(int)
+    for c in calls:
+        per_session[c.session_id] += len(c.tokens)
+    n_sessions = len(per_session) or 1
+    return [[1.0 / (n_sessions * per_session[c.session_id])] * len(c.tokens) for c in calls]

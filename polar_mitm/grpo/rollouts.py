@@ -1,0 +1,102 @@
+"""Recorded calls as the trainer sees them: plain token lists, grouped by GRPO group.
+No torch and no duckdb here; the store hands over plain dicts."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One model call: vLLM sampled `tokens` (with `logprobs`) after exactly `prompt`."""
+    session_id: str
+    group: str                 # the GRPO group: the session's task, or the session itself
+    seq: int
+    prompt: Sequence[int]
+    tokens: Sequence[int]
+    logprobs: Sequence[float]
+    finish_reason: str | None = None
+    policy_version: str | None = None
+    reward: float | None = None
+
+
+def calls_from_records(records: Iterable[Mapping]) -> list[Call]:
+    """Store rows (polar_mitm.store.training.TrainingCall) -> calls, ordered by group,
+    session and seq so that every builder sees the same order."""
+    calls = [Call(session_id=r["session_id"], group=r.get("task_id") or r["session_id"],
+                  seq=int(r["seq"]), prompt=list(r["prompt_token_ids"]), tokens=list(r["token_ids"]),
+                  logprobs=list(r["logprobs"]), finish_reason=r.get("finish_reason"),
+                  policy_version=r.get("policy_version"), reward=r.get("reward"))
+             for r in records]
+    calls.sort(key=lambda c: (c.group, c.session_id, c.seq))
+    return calls
+
+
+def by_key(calls: Sequence[Call], key) -> dict[str, list[int]]:
+    """Indices of calls per key (insertion ordered)."""
+    out: dict[str, list[int]] = defaultdict(list)
+    for i, c in enumerate(calls):
+        out[key(c)].append(i)
+    return dict(out)
+
+
+def lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix, by bisection with C-speed slice compares."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 32:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    while a[lo] == b[lo]:
+        lo += 1
+    return lo
+
+
+def is_prefix(p: Sequence[int], s: Sequence[int]) -> bool:
+    return len(p) <= len(s) and s[:len(p)] == p
+
+
+@dataclass(frozen=True, slots=True)
+class Drift:
+    """A later prompt that continues an earlier call but re-renders its sampled tokens
+    differently from offset `at` on (`tokens` = size of the differing region)."""
+    call: int          # the earlier call
+    later: int         # the call whose prompt re-renders it
+    at: int
+    tokens: int
+
+
+def drift_events(calls: Sequence[Call]) -> list[Drift]:
+    """Per session: for each call, the earlier call whose prompt it strictly extends
+    (longest such prompt); drift is where it does not also extend that call's response."""
+    events = []
+    for idx in by_key(calls, lambda c: c.session_id).values():
+        for pos, k in enumerate(idx):
+            pk = calls[k].prompt
+            best = None
+            for e in idx[:pos]:
+                pe = calls[e].prompt
+                if len(pe) < len(pk) and is_prefix(pe, pk) and (best is None or len(pe) > len(calls[best].prompt)):
+                    best = e
+            if best is None:
+                continue
+            pe, re_ = calls[best].prompt, calls[best].tokens
+            d = lcp(pk[len(pe):], re_)
+            if d == len(re_):
+                continue
+            # the re-rendered span runs to the first end-of-turn token after the split
+            rerender = len(pk) - len(pe) - d
+            if re_ and calls[best].finish_reason != "length":
+                try:
+                    rerender = pk.index(re_[-1], len(pe) + d) - len(pe) - d + 1
+                except ValueError:
+                    pass
+            events.append(Drift(call=best, later=k, at=d, tokens=max(len(re_) - d, rerender)))
+    return events

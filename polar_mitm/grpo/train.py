@@ -1,0 +1,361 @@
+"""GRPO on recorded harness sessions, top to bottom.
+
+Choices, stated up front:
+- Data: every trainable call of the chosen sessions, rewarded per session. One GRPO group
+  = the sessions of one task (TASK~i). Advantages are group-normalized per session and
+  put on every token that session's calls sampled.
+- Contexts: the `trie` builder (default) trains each sampled token in exactly the context
+  vLLM sampled it in, and runs whatever a group shares once. `prefix_merging` (NVIDIA
+  Polar) and `per_request` are there for comparison; all three optimize one objective.
+- Loss: PPO clipped ratio (0.2 / 0.28) against the trainer's own first logprob of each
+  token, truncated importance sampling (cap 2) for the vLLM/trainer gap, optional k3 KL;
+  normalized per token or per session over the whole step, so micro-batches and ranks
+  add up to the same gradient.
+- Micro-batches are rows of at most `token_budget` tokens; a prefix longer than a row is
+  computed once and its keys/values reused by the rows below it.
+- Scale: under torchrun, FSDP2 shards the model and ranks split the groups.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from .advantages import AdvantageConfig, group_advantages, token_weights
+from .loss import LossConfig, LossInputs, grpo_loss, merge_metrics, summarize
+from .packing import merge
+from .policy import ForestRunner, TokenLogprobs
+from .rollouts import Call
+from .trajectories import BUILDERS, build
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    builder: str = "trie"
+    lr: float = 1e-6                  # Polar's default; tiny models move at 1e-5..1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.98)
+    epochs: int = 1                   # passes over the data
+    groups_per_step: int = 0          # GRPO groups per optimizer step; 0 = all in one step
+    token_budget: int = 8192          # tokens per micro-batch row
+    max_grad_norm: float = 1.0
+    normalization: str = "token"      # token | session
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    gradient_checkpointing: bool = False
+    logprob_chunk: int = 1024         # trained positions per lm_head chunk
+    temperature: float = 1.0          # vLLM reports raw (pre-temperature) logprobs by default
+    dtype: str = "auto"               # auto: bf16 autocast on GPUs that have it, else float32
+    seed: int = 0
+
+
+class TrainError(ValueError):
+    """Bad input for training, said plainly (the CLI shows it as is)."""
+
+
+# ---- set-up helpers ------------------------------------------------------------------------
+
+def dist_env() -> tuple[int, int]:
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def load_model(model_dir: str | os.PathLike, device: torch.device, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    path = Path(model_dir)
+    if not (path / "config.json").exists():
+        raise TrainError(f"no Hugging Face model at {path} (config.json missing)")
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=_attention(device))
+    return lm.to(device)
+
+
+def _attention(device: torch.device) -> str:
+    if device.type == "cuda":
+        try:
+            import torch.nn.attention.flex_attention  # noqa: F401
+            return "flex_attention"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
+def check_vocabulary(lm, calls: Sequence[Call]) -> None:
+    rows = lm.get_input_embeddings().weight.shape[0]
+    top = max((max(max(c.prompt, default=0), max(c.tokens, default=0)) for c in calls), default=0)
+    if top >= rows:
+        raise TrainError(f"token id {top} is outside the model's vocabulary ({rows} rows): "
+                         "these calls were recorded from a different model")
+
+
+def split_for_rank(samples, rank: int, world: int):
+    """Whole samples per rank, balanced by forward tokens (largest first)."""
+    if world == 1:
+        return list(samples)
+    loads = [0] * world
+    mine = []
+    for i in sorted(range(len(samples)), key=lambda i: -len(samples[i])):
+        r = loads.index(min(loads))
+        loads[r] += len(samples[i])
+        if r == rank:
+            mine.append(samples[i])
+    return mine
+
+
+# ---- one step -----------------------------------------------------------------------------
+
+@dataclass
+class StepData:
+    """What one optimizer step trains on, laid out for this rank."""
+    groups: list[str]
+    runner: ForestRunner
+    call_ids: torch.Tensor        # per forest target: call index
+    flat: torch.Tensor            # per forest target: index into the flat (call, j) arrays
+    rollout: torch.Tensor
+    stats: dict
+
+
+def prepare_step(calls: Sequence[Call], call_idx: list[int], groups: list[str], offsets: list[int],
+                 cfg: TrainConfig, device, rank: int, world: int, float_mask) -> StepData:
+    sub = [calls[i] for i in call_idx]
+    built = build(sub, cfg.builder)
+    samples = split_for_rank(built.samples, rank, world)
+    forest = merge(samples)
+    runner = ForestRunner(forest, cfg.token_budget, device,
+                          mask_kind="flex" if device.type == "cuda" else "dense", float_mask_dtype=float_mask)
+    gcall = torch.tensor([call_idx[c] for c in forest.target_call], dtype=torch.long)
+    flat = torch.tensor([offsets[call_idx[c]] + j for c, j in zip(forest.target_call, forest.target_index)],
+                        dtype=torch.long)
+    return StepData(groups, runner, gcall, flat, torch.tensor(forest.target_logprob), built.stats.as_dict())
+
+
+def run_step(policy, step: StepData, adv: torch.Tensor, weights: torch.Tensor, proximal: torch.Tensor,
+             cfg: TrainConfig, ref: torch.Tensor | None, autocast) -> dict:
+    """Forward and backward every row of the step; gradients accumulate; returns metric sums."""
+    totals: dict[str, float] = {}
+
+    def loss_fn(lp: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        flat = step.flat[idx]
+        first = torch.isnan(proximal[flat])          # first time this token is scored
+        proximal[flat[first]] = lp.detach().to(proximal.dtype).cpu()[first]
+        dev = lp.device
+        out = grpo_loss(LossInputs(
+            logprobs=lp, old_logprobs=proximal[flat].to(dev), rollout_logprobs=step.rollout[idx].to(dev),
+            advantages=adv[step.call_ids[idx]].to(dev), weights=weights[flat].to(dev),
+            ref_logprobs=ref[flat].to(dev) if ref is not None else None), cfg.loss)
+        merge_metrics(totals, out.metrics)
+        return out.loss
+
+    with autocast():
+        step.runner.run(policy, loss_fn)
+    return totals
+
+
+# ---- the loop -------------------------------------------------------------------------------
+
+def train(calls: Sequence[Call], model_dir: str | os.PathLike, out_dir: str | os.PathLike,
+          cfg: TrainConfig = TrainConfig(), progress: Callable[[int, int, dict], None] | None = None,
+          save: bool = True) -> dict:
+    if cfg.builder not in BUILDERS:
+        raise TrainError(f"unknown builder {cfg.builder!r}")
+    rewards = {c.session_id: c.reward for c in calls if c.reward is not None}
+    calls = [c for c in calls if c.session_id in rewards]
+    if not calls:
+        raise TrainError("no rewarded sessions to train on (set rewards with `polar-train reward`)")
+    rank, world = dist_env()
+    if world > 1 and not torch.distributed.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        torch.distributed.init_process_group(backend)
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.manual_seed(cfg.seed)
+    out = Path(out_dir)
+
+    # model ----------------------------------------------------------------------------------
+    lm = load_model(model_dir, device)
+    check_vocabulary(lm, calls)
+    if cfg.gradient_checkpointing:
+        lm.config.use_cache = True   # our row checkpointing keeps the cache; see TokenLogprobs
+    policy = TokenLogprobs(lm, chunk=cfg.logprob_chunk, temperature=cfg.temperature,
+                           checkpoint_rows=cfg.gradient_checkpointing)
+    bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
+
+    def autocast():
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+
+    float_mask = torch.float32 if lm.config._attn_implementation == "eager" else None
+    if world > 1:
+        from torch.distributed.fsdp import fully_shard
+        for layer in lm.get_decoder().layers:
+            fully_shard(layer)
+        fully_shard(policy)
+        policy.set_gradient_divide_factor(1.0)   # the objective is a sum over ranks' tokens
+    ref_policy = None
+    if cfg.loss.kl_coef > 0:
+        ref_lm = load_model(model_dir, device)
+        ref_lm.requires_grad_(False)
+        ref_policy = TokenLogprobs(ref_lm, chunk=cfg.logprob_chunk, temperature=cfg.temperature)
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+    # data: advantages and weights depend on the calls only, never on the builder ---------------
+    groups = sorted({c.group for c in calls})
+    group_of = {c.session_id: c.group for c in calls}
+    adv_by_session = group_advantages(rewards, group_of, cfg.advantage)
+    adv = torch.tensor([adv_by_session[c.session_id] for c in calls], dtype=torch.float32)
+    offsets = [0]
+    for c in calls:
+        offsets.append(offsets[-1] + len(c.tokens))
+    per_step = cfg.groups_per_step or len(groups)
+    step_groups = [groups[i:i + per_step] for i in range(0, len(groups), per_step)]
+    steps = []
+    weights = torch.zeros(offsets[-1], dtype=torch.float64)
+    for gs in step_groups:
+        idx = [i for i, c in enumerate(calls) if c.group in set(gs)]
+        for i, w in zip(idx, token_weights([calls[i] for i in idx], cfg.normalization)):
+            weights[offsets[i]:offsets[i] + len(w)] = torch.tensor(w, dtype=torch.float64)
+        steps.append(prepare_step(calls, idx, gs, offsets, cfg, device, rank, world, float_mask))
+    proximal = torch.full((offsets[-1],), float("nan"))
+    ref = None
+    if ref_policy is not None:
+        ref = torch.full((offsets[-1],), float("nan"))
+        with torch.no_grad(), autocast():
+            for s in steps:
+                ref[s.flat] = s.runner.run(ref_policy, None)
+
+    # loop ------------------------------------------------------------------------------------
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_path = out / "metrics.jsonl"
+    log = open(metrics_path, "w") if rank == 0 else None
+    total_steps = cfg.epochs * len(steps)
+    history = []
+    reward_values = list(rewards.values())
+    r_mean = sum(reward_values) / len(reward_values)
+    r_std = math.sqrt(sum((r - r_mean) ** 2 for r in reward_values) / len(reward_values))
+    n = 0
+    for epoch in range(cfg.epochs):
+        for s in steps:
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            if world > 1:
+                policy.set_requires_gradient_sync(False)
+                policy.set_reshard_after_backward(False)
+            sums = run_step(policy, s, adv, weights, proximal, cfg, ref, autocast)
+            if world > 1:
+                _sync_gradients(policy, device)
+                sums = _all_reduce_metrics(sums)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
+            opt.step()
+            n += 1
+            m = summarize(sums)
+            sess_adv = [adv_by_session[x] for x in adv_by_session if group_of[x] in set(s.groups)]
+            m.update(step=n, epoch=epoch, groups=len(s.groups), grad_norm=grad_norm,
+                     reward_mean=r_mean, reward_std=r_std,
+                     adv_mean=sum(sess_adv) / len(sess_adv), adv_std=_std(sess_adv),
+                     adv_min=min(sess_adv), adv_max=max(sess_adv),
+                     seconds=time.perf_counter() - t0, forward_tokens=s.stats["forward_tokens"])
+            m["tokens_per_s"] = m["forward_tokens"] / max(m["seconds"], 1e-9)
+            history.append(m)
+            if log:
+                log.write(json.dumps(m) + "\n")
+                log.flush()
+            if progress:
+                progress(n, total_steps, m)
+    if log:
+        log.close()
+
+    # checkpoint ------------------------------------------------------------------------------
+    summary = {"steps": n, "calls": len(calls), "sessions": len(rewards), "groups": len(groups),
+               "builder": cfg.builder, "config": _jsonable(asdict(cfg)), "last": history[-1] if history else {},
+               "build": [s.stats for s in steps]}
+    if save:
+        save_checkpoint(lm, model_dir, out / "checkpoint", world, rank)
+    if rank == 0:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        from .metrics import plot
+        plot(metrics_path, out / "metrics.png")
+    return summary
+
+
+def _sync_gradients(policy, device) -> None:
+    """FSDP2 reduce-scatters at the last backward of a step. Ranks run different numbers
+    of rows, so every rank ends with the same zero-loss backward that does the sync."""
+    policy.set_requires_gradient_sync(True)
+    policy.set_reshard_after_backward(True)
+    one = torch.zeros(1, 1, dtype=torch.long, device=device)
+    lp, _ = policy(one, one, None, None, torch.zeros(1, dtype=torch.long, device=device),
+                   torch.zeros(1, dtype=torch.long, device=device), False)
+    (lp.sum() * 0.0).backward()
+
+
+def _all_reduce_metrics(sums: dict[str, float]) -> dict[str, float]:
+    import torch.distributed as dist
+
+    keys = sorted(set(sums) | {"tokens"})
+    add = torch.tensor([sums.get(k, 0.0) for k in keys if not k.endswith(("_min", "_max"))], dtype=torch.float64)
+    dist.all_reduce(add)
+    lo = torch.tensor([sums.get(k, math.inf) for k in keys if k.endswith("_min")], dtype=torch.float64)
+    hi = torch.tensor([sums.get(k, -math.inf) for k in keys if k.endswith("_max")], dtype=torch.float64)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    it_add, it_lo, it_hi = iter(add.tolist()), iter(lo.tolist()), iter(hi.tolist())
+    out = {}
+    for k in keys:
+        out[k] = next(it_lo) if k.endswith("_min") else next(it_hi) if k.endswith("_max") else next(it_add)
+    return out
+
+
+def _std(xs: list[float]) -> float:
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+
+
+def _jsonable(x):
+    return json.loads(json.dumps(x, default=str))
+
+
+def save_checkpoint(lm, model_dir, target: Path, world: int, rank: int) -> None:
+    """save_pretrained + tokenizer + chat template: a directory vLLM serves or reloads."""
+    state = None
+    if world > 1:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        state = get_model_state_dict(lm, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank != 0:
+        return
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    lm.save_pretrained(tmp, state_dict=state)
+    src = Path(model_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                 "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+                 "generation_config.json"):
+        if (src / name).exists() and not (tmp / name).exists():
+            shutil.copy2(src / name, tmp / name)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+
+
+# ---- read-only figures --------------------------------------------------------------------------
+
+def logprob_parity(calls: Sequence[Call], model_dir, token_budget: int = 8192) -> dict:
+    """Trainer logprobs (trie contexts = vLLM's) against what vLLM reported."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    lm = load_model(model_dir, device)
+    check_vocabulary(lm, calls)
+    lm.eval()
+    built = build(calls, "trie")
+    forest = merge(built.samples)
+    runner = ForestRunner(forest, token_budget, device, mask_kind="flex" if device.type == "cuda" else "dense")
+    with torch.no_grad():
+        lp = runner.run(TokenLogprobs(lm), None)
+    diff = (lp - torch.tensor(forest.target_logprob)).abs()
+    return {"tokens": int(diff.numel()), "mean_abs_diff": float(diff.mean()) if diff.numel() else 0.0,
+            "p99_abs_diff": float(diff.quantile(0.99)) if diff.numel() else 0.0,
+            "max_abs_diff": float(diff.max()) if diff.numel() else 0.0}

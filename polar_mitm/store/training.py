@@ -1,0 +1,124 @@
+"""What the trainer reads: the recorded calls of chosen sessions or tasks, with their
+session's reward. Plain dicts and lists out (no torch here); calls that cannot be
+trained on are skipped and counted by reason, never silently used."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, TypedDict
+
+import orjson
+
+from .db import reading, writing
+
+SKIP_REASONS = ("failed", "no_token_ids", "logprobs_mismatch", "no_reward")
+
+
+class TrainingCall(TypedDict):
+    db: str
+    session_id: str
+    task_id: str | None
+    seq: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    policy_version: str | None
+    reward: float | None
+
+
+@dataclass
+class TrainingData:
+    calls: list[TrainingCall]
+    skipped: Counter = field(default_factory=Counter)   # reason -> calls skipped
+    sessions_without_reward: int = 0
+    sessions: int = 0                                   # sessions with at least one kept call
+
+
+_SQL = """
+SELECT c.session_id, s.task_id, c.seq, c.prompt_token_ids,
+       c.token_ids, c.logprobs, c.finish_reason, c.policy_version, s.reward,
+       c.error IS NOT NULL OR coalesce(c.status_code, 200) >= 400 AS failed
+FROM calls c LEFT JOIN sessions s USING (session_id)
+WHERE {where}
+ORDER BY c.session_id, c.seq
+"""
+
+
+def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None = None,
+                   sessions: list[str] | None = None, require_reward: bool = True,
+                   timeout: float = 30.0) -> TrainingData:
+    """Read the trainable calls of every database (one per gateway machine), optionally
+    only those of TASKS or SESSIONS. A session id seen in two files is one session."""
+    where, params = ["TRUE"], []
+    if tasks:
+        where.append(f"s.task_id IN ({', '.join('?' * len(tasks))})")
+        params += list(tasks)
+    if sessions:
+        where.append(f"c.session_id IN ({', '.join('?' * len(sessions))})")
+        params += list(sessions)
+    sql = _SQL.format(where=" AND ".join(where))
+    out = TrainingData(calls=[])
+    unrewarded: set[str] = set()
+    kept_sessions: set[str] = set()
+    for db in dbs:
+        path = Path(db)
+        if not path.exists():
+            raise FileNotFoundError(f"no database at {path}")
+        with reading(path, timeout) as con:
+            rows = con.execute(sql, params).fetchall()
+        for (session_id, task_id, seq, prompt, tokens, logprobs, finish, version, reward,
+             failed) in rows:
+            if failed:
+                out.skipped["failed"] += 1
+                continue
+            if not prompt or not tokens:
+                out.skipped["no_token_ids"] += 1
+                continue
+            if logprobs is None or len(logprobs) != len(tokens):
+                out.skipped["logprobs_mismatch"] += 1
+                continue
+            if reward is None and require_reward:
+                out.skipped["no_reward"] += 1
+                unrewarded.add(session_id)
+                continue
+            kept_sessions.add(session_id)
+            out.calls.append(TrainingCall(
+                db=str(path), session_id=session_id, task_id=task_id, seq=seq,
+                prompt_token_ids=list(prompt), token_ids=list(tokens),
+                logprobs=[float(x) for x in logprobs], finish_reason=finish,
+                policy_version=version, reward=reward))
+    out.sessions = len(kept_sessions)
+    out.sessions_without_reward = len(unrewarded)
+    return out
+
+
+def set_rewards(db: str | os.PathLike, rewards: Iterable[dict], timeout: float = 30.0) -> int:
+    """Set sessions.reward from {session_id, reward[, info]} records; returns how many.
+    A session not seen yet is created (with its TASK~SAMPLE task)."""
+    from ..addons.sessions import task_of  # pure string helper, no mitmproxy import
+
+    rows = []
+    for i, r in enumerate(rewards):
+        if not isinstance(r, dict) or not isinstance(r.get("session_id"), str):
+            raise ValueError(f"record {i + 1}: needs a string session_id")
+        reward = r.get("reward")
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+            raise ValueError(f"record {i + 1} ({r['session_id']}): reward must be a number")
+        info = r.get("info")
+        rows.append([r["session_id"], task_of(r["session_id"]), float(reward),
+                     orjson.dumps(info).decode() if info is not None else None])
+    if not Path(db).exists():
+        raise FileNotFoundError(f"no database at {db}")
+    with writing(db, timeout) as con:
+        con.execute("BEGIN")
+        con.executemany(
+            "INSERT INTO sessions (session_id, task_id, source, reward, reward_info) "
+            "VALUES (?, ?, 'rollout', ?, ?) ON CONFLICT (session_id) DO UPDATE SET "
+            "reward = excluded.reward, reward_info = excluded.reward_info, "
+            "task_id = coalesce(sessions.task_id, excluded.task_id)", rows)
+        con.execute("COMMIT")
+    return len(rows)

@@ -1,0 +1,192 @@
+"""polar-train: GRPO on the sessions the proxy recorded.
+
+Glue only: the store reads the DuckDB files (all SQL lives there), polar_mitm.grpo trains
+(all torch lives there). Under torchrun every rank reads the files read-only."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from .store.training import training_calls, set_rewards
+
+
+def _die(msg: str):
+    raise click.ClickException(msg)
+
+
+def _load(dbs, tasks, sessions, require_reward=True):
+    from .grpo.rollouts import calls_from_records
+    if not dbs:
+        _die("give at least one --db")
+    try:
+        data = training_calls(dbs, tasks=list(tasks) or None, sessions=list(sessions) or None,
+                              require_reward=require_reward)
+    except FileNotFoundError as e:
+        _die(str(e))
+    except Exception as e:  # a locked or foreign file: say which
+        _die(f"cannot read {', '.join(dbs)}: {e}")
+    return calls_from_records(data.calls), data
+
+
+def _skipped_line(data) -> str:
+    parts = [f"{k} {v}" for k, v in sorted(data.skipped.items())]
+    extra = f"; {data.sessions_without_reward} sessions without a reward" if data.sessions_without_reward else ""
+    return f"skipped calls: {', '.join(parts) or 'none'}{extra}"
+
+
+def _default_model() -> str:
+    from .models import ensure_default_model
+    return str(ensure_default_model(log=lambda m: click.echo(m, err=True)))
+
+
+@click.group()
+def main():
+    """GRPO on recorded harness sessions."""
+
+
+@main.command()
+@click.option("--db", "dbs", multiple=True, required=True, help="DuckDB file (repeat for one per gateway machine)")
+@click.option("--model", default="", help="Hugging Face model directory (default: the embedded SmolLM2)")
+@click.option("--out", required=True, help="Output directory: metrics.jsonl, metrics.png, checkpoint/")
+@click.option("--builder", type=click.Choice(["trie", "prefix_merging", "per_request"]), default="trie",
+              show_default=True)
+@click.option("--task", "tasks", multiple=True, help="Only these tasks (GRPO groups)")
+@click.option("--session", "sessions", multiple=True, help="Only these sessions")
+@click.option("--lr", default=1e-6, show_default=True)
+@click.option("--epochs", default=1, show_default=True)
+@click.option("--groups-per-step", default=0, show_default=True, help="0: all groups in one optimizer step")
+@click.option("--token-budget", default=8192, show_default=True, help="Tokens per micro-batch row")
+@click.option("--normalization", type=click.Choice(["token", "session"]), default="token", show_default=True)
+@click.option("--std/--no-std", "scale_std", default=True, show_default=True,
+              help="Divide advantages by the group's reward std")
+@click.option("--leave-one-out", is_flag=True, help="Baseline = mean of the other sessions of the group")
+@click.option("--clip-low", default=0.2, show_default=True)
+@click.option("--clip-high", default=0.28, show_default=True)
+@click.option("--tis-cap", default=2.0, show_default=True, help="Truncated importance sampling cap")
+@click.option("--kl-coef", default=0.0, show_default=True, help="k3 KL to the frozen starting model")
+@click.option("--max-grad-norm", default=1.0, show_default=True)
+@click.option("--weight-decay", default=0.0, show_default=True)
+@click.option("--gradient-checkpointing", is_flag=True, help="Recompute each row in backward (less memory)")
+@click.option("--seed", default=0, show_default=True)
+def train(dbs, model, out, builder, tasks, sessions, lr, epochs, groups_per_step, token_budget, normalization,
+          scale_std, leave_one_out, clip_low, clip_high, tis_cap, kl_coef, max_grad_norm, weight_decay,
+          gradient_checkpointing, seed):
+    """Run GRPO on the rewarded sessions and save a checkpoint vLLM serves."""
+    from .grpo.advantages import AdvantageConfig
+    from .grpo.loss import LossConfig
+    from .grpo.train import TrainConfig, TrainError, dist_env
+    from .grpo.train import train as run_train
+
+    rank, _ = dist_env()
+    calls, data = _load(dbs, tasks, sessions)
+    if rank == 0:
+        click.echo(f"{len(calls)} calls of {data.sessions} rewarded sessions; {_skipped_line(data)}")
+    if not calls:
+        _die("no rewarded sessions to train on: set rewards with `polar-train reward --db DB rewards.jsonl` "
+             "(or check --task/--session)")
+    cfg = TrainConfig(builder=builder, lr=lr, epochs=epochs, groups_per_step=groups_per_step,
+                      token_budget=token_budget, normalization=normalization,
+                      advantage=AdvantageConfig(scale_std=scale_std, leave_one_out=leave_one_out),
+                      loss=LossConfig(clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap, kl_coef=kl_coef),
+                      max_grad_norm=max_grad_norm, weight_decay=weight_decay,
+                      gradient_checkpointing=gradient_checkpointing, seed=seed)
+    model = model or _default_model()
+    bar = None
+
+    def progress(n, total, m):
+        nonlocal bar
+        if rank != 0:
+            return
+        if bar is None:
+            bar = click.progressbar(length=total, label="training", file=sys.stderr,
+                                    item_show_func=lambda s: s)
+            bar.__enter__()
+        bar.update(1, f"loss {m['loss']:+.4f} clip {m['clip_frac']:.3f} |dlp| {m['logprob_abs_diff']:.4f}")
+
+    try:
+        summary = run_train(calls, model, out, cfg, progress=progress)
+    except TrainError as e:
+        _die(str(e))
+    finally:
+        if bar is not None:
+            bar.__exit__(None, None, None)
+    if rank == 0:
+        last = summary["last"]
+        click.echo(f"{summary['steps']} steps; last loss {last.get('loss', 0):+.5f}, clip fraction "
+                   f"{last.get('clip_frac', 0):.3f}, mean |trainer - vLLM| logprob {last.get('logprob_abs_diff', 0):.4f}")
+        click.echo(f"checkpoint: {Path(out) / 'checkpoint'}\nmetrics: {Path(out) / 'metrics.jsonl'} "
+                   f"and {Path(out) / 'metrics.png'}")
+
+
+@main.command()
+@click.option("--db", "dbs", multiple=True, required=True)
+@click.option("--model", default="", help="Also measure trainer-vs-vLLM logprob parity with this model")
+@click.option("--task", "tasks", multiple=True)
+@click.option("--session", "sessions", multiple=True)
+@click.option("--json", "as_json", is_flag=True)
+def stats(dbs, model, tasks, sessions, as_json):
+    """Compare the three builders on the recorded calls (and, with --model, logprob parity)."""
+    from .grpo.trajectories import BUILDERS, build
+
+    calls, data = _load(dbs, tasks, sessions, require_reward=False)
+    if not calls:
+        _die("no trainable calls in " + ", ".join(dbs))
+    rows = [build(calls, b).stats.as_dict() for b in reversed(BUILDERS)]
+    report = {"skipped": dict(data.skipped), "builders": rows}
+    if model:
+        from .grpo.train import TrainError, logprob_parity
+        try:
+            report["parity"] = logprob_parity(calls, model)
+        except TrainError as e:
+            _die(str(e))
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    click.echo(f"{len(calls)} calls, {len({c.session_id for c in calls})} sessions, "
+               f"{len({c.group for c in calls})} groups; {_skipped_line(data)}")
+    click.echo(format_builders(rows))
+    if model:
+        p = report["parity"]
+        click.echo(f"trainer vs vLLM logprob over {p['tokens']} tokens: mean |diff| {p['mean_abs_diff']:.4f}, "
+                   f"p99 {p['p99_abs_diff']:.4f}, max {p['max_abs_diff']:.4f}")
+
+
+def format_builders(rows: list[dict]) -> str:
+    base = next(r for r in rows if r["builder"] == "per_request")
+    cols = ["sequences", "forward_tokens", "trained_tokens", "branches", "dropped_calls", "drift_events",
+            "drift_tokens"]
+    lines = [f"{'builder':15}" + "".join(f"{c:>16}" for c in cols) + f"{'fwd vs per_req':>16}"]
+    for r in rows:
+        ratio = base["forward_tokens"] / max(r["forward_tokens"], 1)
+        lines.append(f"{r['builder']:15}" + "".join(f"{r[c]:>16,}" for c in cols) + f"{ratio:>15.2f}x")
+    return "\n".join(lines)
+
+
+@main.command()
+@click.option("--db", required=True)
+@click.argument("rewards_file", type=click.Path(dir_okay=False))
+def reward(db, rewards_file):
+    """Set session rewards from a JSONL file of {"session_id": ..., "reward": ...}."""
+    path = Path(rewards_file)
+    if not path.exists():
+        _die(f"no file {path}")
+    records = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                _die(f"{path}:{n}: not JSON ({e.msg})")
+    try:
+        count = set_rewards(db, records)
+    except (ValueError, FileNotFoundError) as e:
+        _die(str(e))
+    click.echo(f"set {count} rewards in {db}")
+
+
+if __name__ == "__main__":
+    main(prog_name="polar-train")

@@ -75,6 +75,10 @@ def grpo_loss(x: LossInputs, cfg: LossConfig) -> LossOutput:
     return LossOutput(loss, metrics)
 
 
+METRIC_SUMS = ("tokens", "loss", "clipped", "ratio_sum", "ratio_min", "ratio_max", "tis_sum", "tis_capped",
+               "abs_diff_sum", "kl_sum")
+
+
 def merge_metrics(total: dict[str, float], part: dict[str, float]) -> dict[str, float]:
     for k, v in part.items():
         if k.endswith("_min"):

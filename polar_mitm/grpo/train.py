@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 import torch
 
 from .advantages import AdvantageConfig, group_advantages, token_weights
-from .loss import LossConfig, LossInputs, grpo_loss, merge_metrics, summarize
+from .loss import METRIC_SUMS, LossConfig, LossInputs, grpo_loss, merge_metrics, summarize
 from .packing import merge
 from .policy import ForestRunner, TokenLogprobs
 from .rollouts import Call
@@ -137,7 +137,7 @@ def prepare_step(calls: Sequence[Call], call_idx: list[int], groups: list[str], 
 
 
 def run_step(policy, step: StepData, adv: torch.Tensor, weights: torch.Tensor, proximal: torch.Tensor,
-             cfg: TrainConfig, ref: torch.Tensor | None, autocast) -> dict:
+             cfg: TrainConfig, ref: torch.Tensor | None, autocast, world: int = 1) -> dict:
     """Forward and backward every row of the step; gradients accumulate; returns metric sums."""
     totals: dict[str, float] = {}
 
@@ -151,7 +151,7 @@ def run_step(policy, step: StepData, adv: torch.Tensor, weights: torch.Tensor, p
             advantages=adv[step.call_ids[idx]].to(dev), weights=weights[flat].to(dev),
             ref_logprobs=ref[flat].to(dev) if ref is not None else None), cfg.loss)
         merge_metrics(totals, out.metrics)
-        return out.loss
+        return out.loss * world   # FSDP averages gradients over ranks; the objective is their sum
 
     with autocast():
         step.runner.run(policy, loss_fn)
@@ -197,7 +197,6 @@ def train(calls: Sequence[Call], model_dir: str | os.PathLike, out_dir: str | os
         for layer in lm.get_decoder().layers:
             fully_shard(layer)
         fully_shard(policy)
-        policy.set_gradient_divide_factor(1.0)   # the objective is a sum over ranks' tokens
     ref_policy = None
     if cfg.loss.kl_coef > 0:
         ref_lm = load_model(model_dir, device)
@@ -244,10 +243,11 @@ def train(calls: Sequence[Call], model_dir: str | os.PathLike, out_dir: str | os
         for s in steps:
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            if world > 1:
+            if world > 1:   # gather once per step, sync once at its end (see _sync_gradients)
+                policy.set_reshard_after_forward(False)
                 policy.set_requires_gradient_sync(False)
                 policy.set_reshard_after_backward(False)
-            sums = run_step(policy, s, adv, weights, proximal, cfg, ref, autocast)
+            sums = run_step(policy, s, adv, weights, proximal, cfg, ref, autocast, world)
             if world > 1:
                 _sync_gradients(policy, device)
                 sums = _all_reduce_metrics(sums)
@@ -285,8 +285,9 @@ def train(calls: Sequence[Call], model_dir: str | os.PathLike, out_dir: str | os
 
 
 def _sync_gradients(policy, device) -> None:
-    """FSDP2 reduce-scatters at the last backward of a step. Ranks run different numbers
-    of rows, so every rank ends with the same zero-loss backward that does the sync."""
+    """Ranks run different numbers of rows (and nest them differently), so during a step
+    FSDP2 keeps the weights gathered and the gradients local; every rank then ends with the
+    same zero-loss backward, which reduce-scatters the accumulated gradients and reshards."""
     policy.set_requires_gradient_sync(True)
     policy.set_reshard_after_backward(True)
     one = torch.zeros(1, 1, dtype=torch.long, device=device)
@@ -298,7 +299,7 @@ def _sync_gradients(policy, device) -> None:
 def _all_reduce_metrics(sums: dict[str, float]) -> dict[str, float]:
     import torch.distributed as dist
 
-    keys = sorted(set(sums) | {"tokens"})
+    keys = METRIC_SUMS   # the same keys on every rank, even one that had no rows
     add = torch.tensor([sums.get(k, 0.0) for k in keys if not k.endswith(("_min", "_max"))], dtype=torch.float64)
     dist.all_reduce(add)
     lo = torch.tensor([sums.get(k, math.inf) for k in keys if k.endswith("_min")], dtype=torch.float64)

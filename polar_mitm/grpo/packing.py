@@ -66,11 +66,16 @@ class Row:
         return len(self.nodes)
 
 
-def plan_rows(f: Forest, budget: int) -> list[Row]:
+def plan_rows(f: Forest, budget: int, pack_limit: int | None = None) -> list[Row]:
     """Rows of at most `budget` tokens covering every node once. Rows are listed parents
-    first; `children` links each row to the rows that reuse its keys/values."""
+    first; `children` links each row to the rows that reuse its keys/values.
+
+    Subtrees share a row only while it stays within `pack_limit` tokens (default: the
+    budget). A dense mask costs rows x (context + rows) whatever it hides, so on CPU
+    only small pieces are packed; block-sparse attention (flex, GPU) packs to the budget."""
     if budget < 1:
         raise ValueError("token budget must be positive")
+    pack = min(pack_limit or budget, budget)
     n = len(f.tokens)
     kids: list[list[int]] = [[] for _ in range(n)]
     roots = []
@@ -101,7 +106,7 @@ def plan_rows(f: Forest, budget: int) -> list[Row]:
             if m > budget:
                 big.append(r)
                 continue
-            if size + m > budget:
+            if pending and size + m > pack:
                 emit(pending, attach)
                 pending, size = [], 0
             pending.extend(range(r, end[r]))
@@ -113,7 +118,7 @@ def plan_rows(f: Forest, budget: int) -> list[Row]:
             while len(stem) < budget and len(kids[node]) == 1:
                 node = kids[node][0]
                 stem.append(node)
-            room = budget - len(stem)
+            room = pack - len(stem)
             rest = []
             for c in kids[node]:
                 m = end[c] - c

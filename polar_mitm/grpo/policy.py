@@ -99,10 +99,13 @@ class RowBatch:
 class ForestRunner:
     """Plans rows over a forest and runs them (with or without gradients)."""
 
+    DENSE_PACK_LIMIT = 1024   # tokens: past this a dense mask wastes more than packing saves
+
     def __init__(self, forest: Forest, budget: int, device: torch.device, mask_kind: str = "dense",
                  float_mask_dtype: torch.dtype | None = None):
         self.f = forest
-        self.rows: list[Row] = plan_rows(forest, budget)
+        self.rows: list[Row] = plan_rows(forest, budget,
+                                         pack_limit=budget if mask_kind == "flex" else self.DENSE_PACK_LIMIT)
         self.device = device
         self.mask_kind = mask_kind
         self.float_mask_dtype = float_mask_dtype  # eager attention adds the mask

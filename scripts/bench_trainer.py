@@ -27,6 +27,7 @@ from polar_mitm.grpo.train import TrainConfig, prepare_step, run_step
 from polar_mitm.grpo.trajectories import BUILDERS, build
 
 ORDER = ("per_request", "prefix_merging", "trie")
+SMALL_VOCAB = 2048
 assert set(ORDER) == set(BUILDERS)
 
 
@@ -48,12 +49,17 @@ def token_table(calls) -> dict[str, dict]:
 
 
 def small_model(vocab: int):
+    """4 layers x 128. Its vocabulary keeps SmolLM2-135M's proportion of lm_head work to
+    transformer work per token (V / (12 L h): 49152 / (12 * 30 * 576) = 0.24; here 0.33):
+    with SmolLM2's 49152 the head would be 8x the rest, which no real model is."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from polar_mitm.grpo.train import _attention
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
-                      attn_implementation="sdpa")
+                      attn_implementation=_attention(torch.device("cpu")))
     return LlamaForCausalLM(cfg)
 
 
@@ -69,7 +75,7 @@ def epoch_seconds(lm, calls, builder: str, budget: int) -> tuple[float, int]:
     weights = torch.tensor([w for ws in token_weights(calls) for w in ws], dtype=torch.float64)
     t0 = time.perf_counter()
     step = prepare_step(calls, list(range(len(calls))), sorted({c.group for c in calls}), offsets, cfg,
-                        torch.device("cpu"), 0, 1, None)
+                        torch.device("cpu"), 0, 1, lm.config._attn_implementation, lm.dtype)
     proximal = torch.full((offsets[-1],), float("nan"))
     lm.zero_grad(set_to_none=True)
     run_step(TokenLogprobs(lm), step, adv, weights, proximal, cfg, None,
@@ -94,7 +100,7 @@ def main() -> int:
 
     s = args.scale
     small = Shape(shared=full.shared // s, tool=(full.tool[0] // s, full.tool[1] // s),
-                  response=(full.response[0] // s, full.response[1] // s))
+                  response=(full.response[0] // s, full.response[1] // s), vocab=SMALL_VOCAB)
     calls = make_calls(small, 1, seed=1)
     print(f"\n== wall time of one fwd+bwd epoch, 1 task at 1/{s} scale (shared {small.shared}, tool {small.tool}, "
           f"response {small.response}); Llama 4x128, vocab {small.vocab}, budget {args.budget} tokens/row, "

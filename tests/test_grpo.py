@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from polar_mitm.grpo.attention import register
 from polar_mitm.grpo.advantages import AdvantageConfig, group_advantages, token_weights
 from polar_mitm.grpo.loss import LossConfig, LossInputs, grpo_loss
 from polar_mitm.grpo.packing import merge
@@ -20,7 +21,8 @@ from polar_mitm.grpo.train import TrainConfig, prepare_step, run_step
 VOCAB = 64
 
 
-def tiny_lm(attn="sdpa", seed=0):
+def tiny_lm(attn="polar_sdpa", seed=0):
+    register()   # the trainer's CPU attention (chain rows); "sdpa" and "eager" are transformers' own
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -37,7 +39,7 @@ def make_calls(drifts: int, seed: int = 0, **kw):
     return [c for t in range(2) for c in group(f"t{t}", shape, rng, reward=lambda s: rewards[s])]
 
 
-def step_loss_and_grads(lm, calls, builder, budget=4096, attn_float_mask=None, checkpoint=False):
+def step_loss_and_grads(lm, calls, builder, budget=4096, checkpoint=False):
     """One step's loss and flattened gradients, through the trainer's own step code."""
     cfg = TrainConfig(builder=builder, token_budget=budget)
     lm = copy.deepcopy(lm)
@@ -50,7 +52,7 @@ def step_loss_and_grads(lm, calls, builder, budget=4096, attn_float_mask=None, c
         offsets.append(offsets[-1] + len(c.tokens))
     weights = torch.tensor([w for ws in token_weights(calls) for w in ws], dtype=torch.float64)
     step = prepare_step(calls, list(range(len(calls))), sorted({c.group for c in calls}), offsets, cfg,
-                        torch.device("cpu"), 0, 1, attn_float_mask)
+                        torch.device("cpu"), 0, 1, lm.config._attn_implementation, lm.dtype)
     proximal = torch.full((offsets[-1],), float("nan"), dtype=torch.float64)
     sums = run_step(policy, step, adv, weights, proximal, cfg, None, lambda: torch.autocast("cpu", enabled=False))
     grads = torch.cat([p.grad.flatten() for p in lm.parameters()])
@@ -83,14 +85,20 @@ def test_rows_that_reuse_keys_and_values_change_nothing(budget):
     assert abs(loss_a - loss_b) <= 1e-9 * abs(loss_a) and rel(g_b, g_a) <= 1e-9
 
 
-def test_eager_attention_float_mask_and_row_checkpointing_agree():
-    calls = make_calls(drifts=1)
-    loss_s, g_s, _ = step_loss_and_grads(tiny_lm("sdpa"), calls, "trie", budget=40)
-    loss_e, g_e, _ = step_loss_and_grads(tiny_lm("eager"), calls, "trie", budget=40, attn_float_mask=torch.float64)
-    loss_c, g_c, _ = step_loss_and_grads(tiny_lm("sdpa"), calls, "trie", budget=40, checkpoint=True)
+def test_attention_implementations_and_row_checkpointing_agree():
+    """Chain rows with merged context/causal attention (polar_sdpa), dense boolean masks
+    (sdpa), additive float masks (eager), and recomputed rows all give one gradient."""
+    calls = make_calls(drifts=1, retries=1)
+    loss_s, g_s, dense = step_loss_and_grads(tiny_lm("sdpa"), calls, "trie", budget=40)
+    loss_p, g_p, chains = step_loss_and_grads(tiny_lm("polar_sdpa"), calls, "trie", budget=40)
+    loss_e, g_e, _ = step_loss_and_grads(tiny_lm("eager"), calls, "trie", budget=40)
+    loss_c, g_c, _ = step_loss_and_grads(tiny_lm("polar_sdpa"), calls, "trie", budget=40, checkpoint=True)
+    runner = chains.runner
+    assert any(runner.batch(i, 1).chain_after_ctx for i, r in enumerate(runner.rows) if r.attach >= 0)
+    assert abs(loss_p - loss_s) <= 1e-12 * abs(loss_s) and rel(g_p, g_s) <= 1e-12
     # eager attention takes its softmax in float32 whatever the model's dtype
     assert abs(loss_e - loss_s) <= 1e-6 * abs(loss_s) and rel(g_e, g_s) <= 1e-6
-    assert abs(loss_c - loss_s) <= 1e-12 * abs(loss_s) and rel(g_c, g_s) <= 1e-12
+    assert abs(loss_c - loss_p) <= 1e-12 * abs(loss_p) and rel(g_c, g_p) <= 1e-12
 
 
 def test_prefix_merging_matches_without_drift_and_the_difference_with_drift_is_measured(capsys):
@@ -122,7 +130,7 @@ def test_flex_block_mask_matches_the_dense_mask():
     from polar_mitm.grpo.trajectories import build
 
     forest = merge(build(make_calls(drifts=1, retries=1), "trie").samples)
-    runner = ForestRunner(forest, 40, torch.device("cpu"))
+    runner = ForestRunner(forest, 40, torch.device("cpu"), "sdpa")
     torch.manual_seed(0)
     checked = 0
     for row in runner.rows:

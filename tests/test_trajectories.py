@@ -58,11 +58,12 @@ def _dropped_tokens(calls, merged) -> int:
 
 
 @settings(max_examples=150, deadline=None)
-@given(shape=shapes, seed=st.integers(0, 10**6), budget=st.integers(1, 40), pack=st.integers(1, 40))
-def test_rows_cover_every_node_once_and_see_exactly_its_ancestors(shape, seed, budget, pack):
+@given(shape=shapes, seed=st.integers(0, 10**6), budget=st.integers(1, 40), pack=st.integers(1, 40),
+       chains=st.booleans())
+def test_rows_cover_every_node_once_and_see_exactly_its_ancestors(shape, seed, budget, pack, chains):
     built = build(calls_for(shape, seed, tasks=1), "trie")
     f = merge(built.samples)
-    rows = plan_rows(f, budget, pack_limit=pack)
+    rows = plan_rows(f, budget, pack_limit=pack, chains=chains)
     covered = sorted(v for r in rows for v in r.nodes)
     assert covered == list(range(len(f.tokens)))
     row_of = {v: i for i, r in enumerate(rows) for v in r.nodes}

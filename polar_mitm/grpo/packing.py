@@ -66,13 +66,16 @@ class Row:
         return len(self.nodes)
 
 
-def plan_rows(f: Forest, budget: int, pack_limit: int | None = None) -> list[Row]:
+def plan_rows(f: Forest, budget: int, pack_limit: int | None = None, chains: bool = False) -> list[Row]:
     """Rows of at most `budget` tokens covering every node once. Rows are listed parents
     first; `children` links each row to the rows that reuse its keys/values.
 
     Subtrees share a row only while it stays within `pack_limit` tokens (default: the
     budget). A dense mask costs rows x (context + rows) whatever it hides, so on CPU
-    only small pieces are packed; block-sparse attention (flex, GPU) packs to the budget."""
+    only small pieces are packed; block-sparse attention (flex, GPU) packs to the budget.
+    With `chains`, a big subtree is cut along its heaviest path into chain rows, which
+    attend causally to themselves and fully to their context (policy.py runs them
+    without a mask); the side branches become rows of their own."""
     if budget < 1:
         raise ValueError("token budget must be positive")
     pack = min(pack_limit or budget, budget)
@@ -103,7 +106,7 @@ def plan_rows(f: Forest, budget: int, pack_limit: int | None = None) -> list[Row
         big = []
         for r in subtree_roots:
             m = end[r] - r
-            if m > budget:
+            if m > budget or (chains and m > pack):
                 big.append(r)
                 continue
             if pending and size + m > pack:
@@ -114,15 +117,22 @@ def plan_rows(f: Forest, budget: int, pack_limit: int | None = None) -> list[Row
         if pending:
             emit(pending, attach)
         for r in big:
+            # The stem: single-child links from r (or, with chains, the heaviest child at
+            # each step, its siblings becoming rows of their own under it).
             stem, node = [r], r
-            while len(stem) < budget and len(kids[node]) == 1:
-                node = kids[node][0]
+            while len(stem) < budget and kids[node] and (chains or len(kids[node]) == 1):
+                heavy = max(kids[node], key=lambda c: end[c] - c)
+                if chains:
+                    light = [c for c in kids[node] if c != heavy]
+                    if light:
+                        work.append((light, node))
+                node = heavy
                 stem.append(node)
             room = pack - len(stem)
             rest = []
             for c in kids[node]:
                 m = end[c] - c
-                if m <= room:
+                if m <= room and not chains:
                     stem.extend(range(c, end[c]))
                     room -= m
                 else:
@@ -140,9 +150,3 @@ def row_context(f: Forest, row: Row) -> list[int]:
         out.append(v)
         v = f.parent[v]
     return out[::-1]
-
-
-def is_single_chain(f: Forest, row: Row) -> bool:
-    nodes = row.nodes
-    return row.attach < 0 and all(f.parent[b] == a for a, b in zip(nodes, nodes[1:])) \
-        and (not nodes or f.parent[nodes[0]] < 0)

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .packing import Forest, Row, is_single_chain, plan_rows
+from .attention import NAME
+from .packing import Forest, Row, plan_rows
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -36,18 +37,21 @@ class TokenLogprobs(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None, ctx: KV | None, pred: torch.Tensor,
-                target_ids: torch.Tensor, keep_kv: bool) -> tuple[torch.Tensor, KV | None]:
+                target_ids: torch.Tensor, keep_kv: bool, chain_after_ctx: bool = False,
+                ) -> tuple[torch.Tensor, KV | None]:
+        """chain_after_ctx: the row is one chain under its whole context, which the
+        polar_sdpa attention runs without a mask (see attention.py)."""
         flat = [t for kv in (ctx or []) for t in kv]
         if self.checkpoint_rows and torch.is_grad_enabled():
-            out = checkpoint(self._decode, input_ids, position_ids, attention_mask, keep_kv, *flat,
-                             use_reentrant=False)
+            out = checkpoint(self._decode, input_ids, position_ids, attention_mask, keep_kv, chain_after_ctx,
+                             *flat, use_reentrant=False)
         else:
-            out = self._decode(input_ids, position_ids, attention_mask, keep_kv, *flat)
+            out = self._decode(input_ids, position_ids, attention_mask, keep_kv, chain_after_ctx, *flat)
         hidden, own = out[0], out[1:]
         kv = [(own[i], own[i + 1]) for i in range(0, len(own), 2)] if own else None
         return self._logprobs(hidden[0, pred], target_ids), kv
 
-    def _decode(self, input_ids, position_ids, attention_mask, keep_kv, *flat):
+    def _decode(self, input_ids, position_ids, attention_mask, keep_kv, chain_after_ctx, *flat):
         from transformers import DynamicCache
 
         decoder = self.lm.get_decoder()
@@ -58,8 +62,9 @@ class TokenLogprobs(nn.Module):
             for i in range(0, len(flat), 2):
                 cache.update(flat[i], flat[i + 1], i // 2)
             ctx_len = flat[0].shape[-2] if flat else 0
+        extra = {"polar_ctx_len": ctx_len} if chain_after_ctx and ctx_len else {}
         out = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                      past_key_values=cache, use_cache=cache is not None)
+                      past_key_values=cache, use_cache=cache is not None, **extra)
         own = []
         if keep_kv:
             for layer in out.past_key_values.layers:
@@ -94,6 +99,7 @@ class RowBatch:
     pred: torch.Tensor          # row-local positions whose hidden state predicts a target
     target_ids: torch.Tensor    # the trained tokens
     targets: torch.Tensor       # their indices into the forest's target lists
+    chain_after_ctx: bool       # one chain right under its context (attention.py runs it maskless)
 
 
 class ForestRunner:
@@ -101,14 +107,19 @@ class ForestRunner:
 
     DENSE_PACK_LIMIT = 1024   # tokens: past this a dense mask wastes more than packing saves
 
-    def __init__(self, forest: Forest, budget: int, device: torch.device, mask_kind: str = "dense",
-                 float_mask_dtype: torch.dtype | None = None):
+    def __init__(self, forest: Forest, budget: int, device: torch.device, attention: str = "sdpa",
+                 dtype: torch.dtype = torch.float32):
+        """attention: the model's implementation. flex_attention gets block masks and rows
+        packed to the budget; polar_sdpa gets chain rows (attention.py); eager adds a
+        float mask of `dtype`; anything else a dense boolean mask."""
         self.f = forest
-        self.rows: list[Row] = plan_rows(forest, budget,
-                                         pack_limit=budget if mask_kind == "flex" else self.DENSE_PACK_LIMIT)
+        flex = attention == "flex_attention"
+        self.rows: list[Row] = plan_rows(forest, budget, pack_limit=budget if flex else self.DENSE_PACK_LIMIT,
+                                         chains=attention == NAME)
         self.device = device
-        self.mask_kind = mask_kind
-        self.float_mask_dtype = float_mask_dtype  # eager attention adds the mask
+        self.mask_kind = "flex" if flex else "dense"
+        self.chain_attention = attention == NAME
+        self.float_mask_dtype = dtype if attention == "eager" else None  # eager adds the mask
         self.row_of = {}
         for rid, row in enumerate(self.rows):
             for i, v in enumerate(row.nodes):
@@ -129,7 +140,10 @@ class ForestRunner:
         ids = torch.tensor([f.tokens[v] for v in nodes], device=dev)[None]
         pos = torch.tensor([f.depth[v] for v in nodes], device=dev)[None]
         mask = None
-        if not is_single_chain(f, row):
+        chain = _is_chain(f, row)
+        if chain and ctx_len and self.chain_attention:
+            pass   # attention.py: context unmasked, the row causal
+        elif not (chain and not ctx_len):
             g = torch.tensor(nodes, device=dev)
             e = torch.tensor([f.subtree_end[v] for v in nodes], device=dev)
             if self.mask_kind == "flex":
@@ -143,7 +157,8 @@ class ForestRunner:
         pred = [self.row_of[f.parent[f.target_node[t]]][1] for t in ts]
         tids = [f.tokens[f.target_node[t]] for t in ts]
         return RowBatch(ids, pos, mask, torch.tensor(pred, dtype=torch.long, device=dev),
-                        torch.tensor(tids, dtype=torch.long, device=dev), torch.tensor(ts, dtype=torch.long))
+                        torch.tensor(tids, dtype=torch.long, device=dev), torch.tensor(ts, dtype=torch.long),
+                        chain and ctx_len > 0 and self.chain_attention)
 
     def run(self, policy: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
             ) -> torch.Tensor:
@@ -179,7 +194,8 @@ class ForestRunner:
         ctx = self._context(rid, leaves)
         b = self.batch(rid, ctx[0][0].shape[-2] if ctx else 0)
         keep = bool(row.children)
-        lp, kv = policy(b.input_ids, b.position_ids, b.attention_mask, ctx, b.pred, b.target_ids, keep)
+        lp, kv = policy(b.input_ids, b.position_ids, b.attention_mask, ctx, b.pred, b.target_ids, keep,
+                        b.chain_after_ctx)
         out[b.targets] = lp.detach().to(out.dtype).cpu()
         loss = loss_fn(lp, b.targets) if loss_fn is not None else None
         if not keep:
@@ -206,6 +222,13 @@ class ForestRunner:
                 grads.append(torch.ones_like(loss))
             if tensors:
                 torch.autograd.backward(tensors, grads)
+
+
+def _is_chain(f: Forest, row: Row) -> bool:
+    """Each node's parent is the node before it, the first one's the row's attach point."""
+    nodes = row.nodes
+    return bool(nodes) and f.parent[nodes[0]] == row.attach and all(
+        f.parent[b] == a for a, b in zip(nodes, nodes[1:]))
 
 
 def dense_mask(g: torch.Tensor, e: torch.Tensor, ctx_len: int) -> torch.Tensor:

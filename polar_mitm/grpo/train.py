@@ -78,13 +78,15 @@ def load_model(model_dir: str | os.PathLike, device: torch.device, dtype: torch.
 
 
 def _attention(device: torch.device) -> str:
+    """flex attention's block masks on GPUs; on CPU, SDPA with chain rows (attention.py)."""
     if device.type == "cuda":
         try:
             import torch.nn.attention.flex_attention  # noqa: F401
             return "flex_attention"
         except ImportError:
-            pass
-    return "sdpa"
+            return "sdpa"
+    from .attention import register
+    return register()
 
 
 def check_vocabulary(lm, calls: Sequence[Call]) -> None:
@@ -123,13 +125,13 @@ class StepData:
 
 
 def prepare_step(calls: Sequence[Call], call_idx: list[int], groups: list[str], offsets: list[int],
-                 cfg: TrainConfig, device, rank: int, world: int, float_mask) -> StepData:
+                 cfg: TrainConfig, device, rank: int, world: int, attention: str = "sdpa",
+                 dtype: torch.dtype = torch.float32) -> StepData:
     sub = [calls[i] for i in call_idx]
     built = build(sub, cfg.builder)
     samples = split_for_rank(built.samples, rank, world)
     forest = merge(samples)
-    runner = ForestRunner(forest, cfg.token_budget, device,
-                          mask_kind="flex" if device.type == "cuda" else "dense", float_mask_dtype=float_mask)
+    runner = ForestRunner(forest, cfg.token_budget, device, attention, dtype)
     gcall = torch.tensor([call_idx[c] for c in forest.target_call], dtype=torch.long)
     flat = torch.tensor([offsets[call_idx[c]] + j for c, j in zip(forest.target_call, forest.target_index)],
                         dtype=torch.long)
@@ -191,7 +193,7 @@ def train(calls: Sequence[Call], model_dir: str | os.PathLike, out_dir: str | os
     def autocast():
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
-    float_mask = torch.float32 if lm.config._attn_implementation == "eager" else None
+    attention = lm.config._attn_implementation
     if world > 1:
         from torch.distributed.fsdp import fully_shard
         for layer in lm.get_decoder().layers:
@@ -220,7 +222,7 @@ def train(calls: Sequence[Call], model_dir: str | os.PathLike, out_dir: str | os
         idx = [i for i, c in enumerate(calls) if c.group in set(gs)]
         for i, w in zip(idx, token_weights([calls[i] for i in idx], cfg.normalization)):
             weights[offsets[i]:offsets[i] + len(w)] = torch.tensor(w, dtype=torch.float64)
-        steps.append(prepare_step(calls, idx, gs, offsets, cfg, device, rank, world, float_mask))
+        steps.append(prepare_step(calls, idx, gs, offsets, cfg, device, rank, world, attention, lm.dtype))
     proximal = torch.full((offsets[-1],), float("nan"))
     ref = None
     if ref_policy is not None:
@@ -353,7 +355,7 @@ def logprob_parity(calls: Sequence[Call], model_dir, token_budget: int = 8192) -
     lm.eval()
     built = build(calls, "trie")
     forest = merge(built.samples)
-    runner = ForestRunner(forest, token_budget, device, mask_kind="flex" if device.type == "cuda" else "dense")
+    runner = ForestRunner(forest, token_budget, device, lm.config._attn_implementation, lm.dtype)
     with torch.no_grad():
         lp = runner.run(TokenLogprobs(lm), None)
     diff = (lp - torch.tensor(forest.target_logprob)).abs()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -100,8 +101,26 @@ def addon_path():
     click.echo(launch.ADDON_FILE)
 
 
+def _stop_on_sigterm() -> None:
+    """SIGTERM (systemd, docker, kill) stops the children as Ctrl-C does; by default it would
+    end this process at once and leave mitmdump listening and holding the database."""
+    def interrupt(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)   # once: the cleanup must not be cut short
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def _start_stack(db, backend, port, reverse_port, confdir, logs: Path, max_model_len):
     services = []
+    try:
+        return _start_services(services, db, backend, port, reverse_port, confdir, logs, max_model_len)
+    except BaseException:  # e.g. the proxy failed, or SIGTERM, after vLLM started
+        for s in reversed(services):
+            s.stop()
+        raise
+
+
+def _start_services(services, db, backend, port, reverse_port, confdir, logs, max_model_len):
     if not backend:
         model_dir = ensure_default_model(log=click.echo)
         vport = launch.free_port()
@@ -126,15 +145,16 @@ def _start_stack(db, backend, port, reverse_port, confdir, logs: Path, max_model
 @click.option("--confdir", default=os.path.expanduser("~/.mitmproxy"), show_default=True)
 @click.option("--max-model-len", default=8192, show_default=True)
 def up(db, backend, port, reverse_port, confdir, max_model_len):
-    """Start vLLM (unless --backend) and the proxy; stop with Ctrl-C."""
+    """Start vLLM (unless --backend) and the proxy; stop with Ctrl-C or SIGTERM."""
+    _stop_on_sigterm()
     logs = cache_dir() / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     services, backend = _start_stack(db, backend, port, reverse_port, confdir, logs, max_model_len)
-    click.echo(f"proxy ready: backend {backend}, database {db}\nharness environment:")
-    for k, v in launch.proxy_env(port, confdir).items():
-        click.echo(f"  export {k}={v}")
-    click.echo(f"or point a base URL at http://127.0.0.1:{reverse_port}")
     try:
+        click.echo(f"proxy ready: backend {backend}, database {db}\nharness environment:")
+        for k, v in launch.proxy_env(port, confdir).items():
+            click.echo(f"  export {k}={v}")
+        click.echo(f"or point a base URL at http://127.0.0.1:{reverse_port}")
         while all(s.alive() for s in services):
             time.sleep(1)
     except KeyboardInterrupt:
@@ -152,6 +172,7 @@ def demo(db, backend, max_tokens):
     """End to end on the embedded default model: vLLM + proxy + every API style."""
     from .demo import SUMMARY_SQL, drive
 
+    _stop_on_sigterm()
     work = Path(tempfile.mkdtemp(prefix="polar-demo-"))
     port, reverse_port = launch.free_port(), launch.free_port()
     services, backend = _start_stack(db, backend, port, reverse_port, work / "mitmproxy", work, 8192)

@@ -1,5 +1,8 @@
 """A stand-in for vLLM's chat endpoint, for the failure tests only (slow, 5xx, bad JSON).
-Everything that checks tokens runs against the real vLLM server."""
+Everything that checks tokens runs against the real vLLM server.
+
+Like vLLM (before it clamped), it refuses prompt tokens + max_tokens above max_model_len;
+a "token" here is 4 bytes of the messages' JSON, and /tokenize counts the same way."""
 
 from __future__ import annotations
 
@@ -11,9 +14,10 @@ import orjson
 
 
 class FakeVLLM:
-    def __init__(self, mode: str = "ok", delay: float = 0.0):
-        self.mode, self.delay = mode, delay
+    def __init__(self, mode: str = "ok", delay: float = 0.0, max_model_len: int = 4096):
+        self.mode, self.delay, self.max_model_len = mode, delay, max_model_len
         self.bodies: list[dict] = []
+        self.tokenized: list[dict] = []   # /tokenize bodies
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -32,15 +36,29 @@ class FakeVLLM:
 
             def do_GET(self):
                 if self.path == "/v1/models":
-                    self._send(200, b'{"object":"list","data":[{"id":"fake-model","max_model_len":4096}]}')
+                    self._send(200, orjson.dumps({"object": "list", "data": [
+                        {"id": "fake-model", "max_model_len": fake.max_model_len}]}))
                 else:
                     self._send(404, b'{"detail":"Not Found"}')
 
             def do_POST(self):
                 body = orjson.loads(self.rfile.read(int(self.headers["content-length"])))
+                if self.path == "/tokenize":
+                    fake.tokenized.append(body)
+                    n = fake.prompt_tokens(body["messages"])
+                    return self._send(200, orjson.dumps({"count": n, "max_model_len": fake.max_model_len,
+                                                         "tokens": list(range(n))}))
                 fake.bodies.append(body)
                 time.sleep(fake.delay)
-                if fake.mode == "500":
+                n, wanted = fake.prompt_tokens(body["messages"]), body.get("max_tokens")
+                if fake.mode == "ok" and wanted is not None and n + wanted > fake.max_model_len:
+                    self._send(400, orjson.dumps({"error": {
+                        "message": f"'max_tokens' or 'max_completion_tokens' is too large: {wanted}. "
+                                   f"This model's maximum context length is {fake.max_model_len} tokens "
+                                   f"and your request has {n} input tokens ({wanted} > "
+                                   f"{fake.max_model_len} - {n}).",
+                        "type": "BadRequestError", "param": None, "code": 400}}))
+                elif fake.mode == "500":
                     self._send(500, b'{"error":{"message":"engine crashed","type":"InternalServerError"}}')
                 elif fake.mode == "badjson":
                     self._send(200, b'{"choices": [')
@@ -61,6 +79,10 @@ class FakeVLLM:
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+
+    @staticmethod
+    def prompt_tokens(messages) -> int:
+        return len(orjson.dumps(messages)) // 4 + 3
 
     def __enter__(self):
         threading.Thread(target=self._httpd.serve_forever, daemon=True).start()

@@ -3,9 +3,11 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -45,6 +47,50 @@ def test_up_serves_records_and_stops_on_ctrl_c(tmp_path):
         raise AssertionError("the proxy is still listening")
     except httpx.ConnectError:
         pass
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_up_stops_everything_on_sigterm(tmp_path):
+    """systemd, docker and kill send SIGTERM: mitmdump must not stay behind, listening and
+    holding the database."""
+    port, rport = launch.free_port(), launch.free_port()
+    with FakeVLLM() as fake:
+        p = subprocess.Popen(CLI + ["up", "--db", str(tmp_path / "r.duckdb"), "--backend", fake.url,
+                                    "--port", str(port), "--reverse-port", str(rport),
+                                    "--confdir", str(tmp_path / "conf")],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, "POLAR_MITM_CACHE": str(tmp_path / "cache")})
+        mitmdump = None
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and "base URL" not in p.stdout.readline():
+                pass
+            assert httpx.get(f"http://127.0.0.1:{rport}/v1/models", timeout=5, trust_env=False).status_code == 200
+            (mitmdump,) = children(p.pid)
+            p.send_signal(signal.SIGTERM)
+            p.wait(10)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and Path(f"/proc/{mitmdump}").exists():
+                time.sleep(0.1)
+            assert not Path(f"/proc/{mitmdump}").exists(), "mitmdump is still running"
+            for listener in (port, rport):
+                with socket.socket() as s:
+                    assert s.connect_ex(("127.0.0.1", listener)) != 0, f"port {listener} still open"
+        finally:  # when the test fails, what it started must still go
+            p.kill()
+            if mitmdump and Path(f"/proc/{mitmdump}").exists():
+                os.kill(mitmdump, signal.SIGKILL)
 
 
 def test_options_lists_the_addon_options():

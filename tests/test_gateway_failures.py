@@ -1,8 +1,18 @@
 """Upstream failures reach the harness in its own provider's error shape, and are
 recorded as failed calls. The backend here is down, slow, broken or a small stand-in."""
 
+import functools
+import gzip
+import re
+import socket
+import time
+import zlib
+from pathlib import Path
+
 import anthropic
 import httpx
+import orjson
+import zstandard
 import openai
 import pytest
 from google import genai
@@ -70,7 +80,7 @@ def test_backend_timeout(start_proxy):
 
 @pytest.mark.parametrize("mode,status,kind", [("500", 502, "backend_error"),
                                                ("badjson", 502, "backend_error"),
-                                               ("odd", 500, "backend_error"),
+                                               ("odd", 502, "backend_error"),  # message: null
                                                ("context", 400, "context_too_long")])
 def test_backend_errors(start_proxy, mode, status, kind):
     with FakeVLLM(mode) as fake:
@@ -79,6 +89,9 @@ def test_backend_errors(start_proxy, mode, status, kind):
     assert errors["openai_chat"].status_code == status
     assert errors["anthropic"].status_code == status
     assert errors["google"].code == status
+    for e in errors.values():  # the backend's fault, said without Python's words
+        text = e.response.text
+        assert "NoneType" not in text and "Traceback" not in text and "attribute" not in text
     if kind == "context_too_long":
         assert errors["openai_chat"].body["code"] == "context_length_exceeded"
         assert errors["anthropic"].body["error"]["type"] == "invalid_request_error"
@@ -178,4 +191,123 @@ def test_max_tokens_capped_at_the_backend_context(start_proxy):
         an = anthropic.Anthropic(api_key="polar-cap~1", base_url=proxy.base_url, max_retries=0, timeout=30)
         an.messages.create(model="claude-opus-4-8", max_tokens=64000, messages=MSG)
         an.messages.create(model="claude-opus-4-8", max_tokens=100, messages=MSG)
-        assert [b["max_tokens"] for b in fake.bodies] == [4096, 100]
+        prompt = fake.prompt_tokens(fake.bodies[0]["messages"])
+        assert [b["max_tokens"] for b in fake.bodies] == [4096 - prompt, 100]
+
+
+def test_max_tokens_leaves_room_for_a_long_prompt(start_proxy):
+    """Claude Code's 64000 on a prompt that fills most of the context: capped at what the
+    context leaves after the prompt (vLLM refuses prompt + max_tokens above its length)."""
+    long = [{"role": "user", "content": "fix the failing test " * 600}]   # ~3000 of 4096 tokens
+    with FakeVLLM() as fake:
+        proxy = start_proxy(fake.url)
+        an = anthropic.Anthropic(api_key="polar-long~1", base_url=proxy.base_url, max_retries=0, timeout=30)
+        r = an.messages.create(model="claude-opus-4-8", max_tokens=64000, messages=long)
+        assert r.content[0].text == "ok"
+        prompt = fake.prompt_tokens(fake.bodies[0]["messages"])
+        assert prompt > 2500 and fake.bodies[0]["max_tokens"] == 4096 - prompt
+        assert len(fake.tokenized) == 1
+    assert query(proxy.db, "SELECT status_code FROM calls")[1] == [(200,)]
+
+
+def test_max_tokens_needs_no_count_when_it_fits(start_proxy):
+    """A request whose bytes and max_tokens fit the context costs no /tokenize round trip."""
+    with FakeVLLM(max_model_len=32768) as fake:
+        proxy = start_proxy(fake.url)
+        oa = openai.OpenAI(base_url=proxy.base_url + "/v1", api_key="polar-fit~1", max_retries=0)
+        oa.chat.completions.create(model="m", messages=MSG, max_tokens=1000)
+        assert fake.bodies[0]["max_tokens"] == 1000 and fake.tokenized == []
+
+
+def test_stream_options_not_an_object_is_a_400(start_proxy):
+    with FakeVLLM() as fake:
+        proxy = start_proxy(fake.url)
+        r = httpx.post(proxy.base_url + "/v1/chat/completions", trust_env=False, timeout=30,
+                       headers={"authorization": "Bearer polar-so~1"},
+                       json={"model": "m", "messages": MSG, "stream": True, "stream_options": "yes"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        assert "stream_options" in r.json()["error"]["message"] and fake.bodies == []
+    assert query(proxy.db, "SELECT status_code, error_kind FROM calls")[1] == [(400, "invalid_request")]
+
+
+@functools.cache
+def bomb(coding: str, size: int = 200 << 20) -> bytes:
+    """size bytes of zeros, compressed a MiB at a time (about 200 KB for gzip)."""
+    zero = bytes(1 << 20)
+    if coding == "zstd":
+        c = zstandard.ZstdCompressor().compressobj()
+        return b"".join(c.compress(zero) for _ in range(size >> 20)) + c.flush()
+    c = zlib.compressobj(6, zlib.DEFLATED, 31 if coding == "gzip" else 15)
+    return b"".join(c.compress(zero) for _ in range(size >> 20)) + c.flush()
+
+
+def peak_rss_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", status)[1]) / 1024
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate", "zstd"])
+def test_compressed_bomb_is_a_413_in_bounded_memory(start_proxy, coding):
+    """200 MB of zeros in a few hundred KB: decompressed a piece at a time, up to
+    polar_max_body, never whole."""
+    with FakeVLLM() as fake:
+        proxy = start_proxy(fake.url, ["polar_max_body=8m"])
+        pid = proxy.service.proc.pid
+        before = peak_rss_mb(pid)
+        t0 = time.monotonic()
+        r = httpx.post(proxy.base_url + "/v1/messages", content=bomb(coding), trust_env=False, timeout=60,
+                       headers={"x-api-key": "polar-bomb~1", "anthropic-version": "2023-06-01",
+                                "content-type": "application/json", "content-encoding": coding})
+        elapsed = time.monotonic() - t0
+        grew = peak_rss_mb(pid) - before
+        assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+        assert elapsed < 5, elapsed
+        assert grew < 100, f"mitmdump's peak memory grew {grew:.0f} MB"
+        assert fake.bodies == []
+    rows = query(proxy.db, "SELECT session_id, status_code, error_kind, request_json FROM calls")[1]
+    assert [r[:3] for r in rows] == [("bomb~1", 413, "too_large")]
+    assert rows[0][3].startswith('"<request body not kept')   # the bomb itself is not stored
+
+
+def test_compressed_request_within_the_limit_is_served(start_proxy):
+    body = orjson.dumps({"model": "m", "messages": MSG})
+    with FakeVLLM() as fake:
+        proxy = start_proxy(fake.url, ["polar_max_body=8m"])
+        for coding, data in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body)),
+                             ("zstd", zstandard.ZstdCompressor().compress(body))):
+            r = httpx.post(proxy.base_url + "/v1/chat/completions", content=data, trust_env=False,
+                           headers={"authorization": "Bearer polar-z~1", "content-type": "application/json",
+                                    "content-encoding": coding}, timeout=30)
+            assert r.status_code == 200, (coding, r.text)
+        assert len(fake.bodies) == 3 and fake.bodies[0]["messages"] == MSG
+
+
+def test_body_over_the_limit_is_not_read_and_is_recorded(start_proxy):
+    """A raw body over polar_max_body: mitmproxy's body_size_limit stops reading it (its own
+    413); the call is still recorded as failed."""
+    with FakeVLLM() as fake:
+        proxy = start_proxy(fake.url, ["polar_max_body=1m"])
+        s = socket.create_connection(("127.0.0.1", proxy.reverse_port), timeout=10)
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer polar-big~1\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 209715200\r\n\r\n" + b"[" * 65536)
+        answer = s.recv(4096)
+        s.close()
+        assert answer.startswith(b"HTTP/1.1 413")
+        assert fake.bodies == []
+    rows = query(proxy.db, "SELECT session_id, status_code, error_kind FROM calls")[1]
+    assert rows == [("big~1", 413, "too_large")]
+
+
+def test_max_body_is_validated():
+    from mitmproxy import exceptions
+    from mitmproxy.addons.proxyserver import Proxyserver
+    from mitmproxy.test import taddons
+
+    from polar_mitm.addons.gateway import PolarGateway
+
+    gw = PolarGateway()
+    with taddons.context(Proxyserver(), gw) as tctx:
+        tctx.configure(gw, polar_max_body="2m")
+        assert gw.max_body == 2 << 20 and tctx.options.body_size_limit == str(2 << 20)
+        with pytest.raises(exceptions.OptionsError, match="polar_max_body"):
+            tctx.configure(gw, polar_max_body="lots")

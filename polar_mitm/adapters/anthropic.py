@@ -395,7 +395,8 @@ def stream(result: dict, request: dict) -> list[bytes]:
 _TYPES = {"invalid_request": "invalid_request_error", "context_too_long": "invalid_request_error",
           "overloaded": "overloaded_error", "timeout": "timeout_error",
           "backend_error": "api_error", "not_found": "not_found_error",
-          "authentication": "authentication_error", "rate_limit": "rate_limit_error"}
+          "authentication": "authentication_error", "rate_limit": "rate_limit_error",
+          "too_large": "request_too_large"}
 
 
 def status_for(kind: str) -> int:

@@ -134,12 +134,22 @@ def backend_error(status: int, body: bytes) -> BackendError:
 
 
 def from_backend(resp: Any, request: dict) -> tuple[dict, dict]:
-    """(normalized result, token record) from a vLLM chat completion."""
+    """(normalized result, token record) from a vLLM chat completion. Anything else (a null
+    message, a field of the wrong type) is the backend's fault: a 502, not a Python error."""
     try:
         choice = resp["choices"][0]
         msg = choice["message"]
     except (KeyError, IndexError, TypeError):
         raise BackendError("backend answered without a choice") from None
+    if not isinstance(choice, dict) or not isinstance(msg, dict):
+        raise BackendError("backend answered without a message")
+    try:
+        return _from_backend(resp, choice, msg, request)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+        raise BackendError("backend answered with a malformed completion") from None
+
+
+def _from_backend(resp: dict, choice: dict, msg: dict, request: dict) -> tuple[dict, dict]:
     custom = {t["name"] for t in request["tools"] if t["kind"] == "custom"}
     calls = []
     for i, c in enumerate(msg.get("tool_calls") or []):

@@ -68,7 +68,7 @@ class UnsupportedContent(AdapterError):
 # The error kinds every provider's error() maps to its own body, with their usual status.
 DEFAULT_STATUS = {"invalid_request": 400, "context_too_long": 400, "overloaded": 503,
                   "timeout": 504, "backend_error": 502, "not_found": 404,
-                  "authentication": 401, "rate_limit": 429}
+                  "authentication": 401, "rate_limit": 429, "too_large": 413}
 
 
 def kind_for_status(status: int) -> str:
@@ -78,6 +78,8 @@ def kind_for_status(status: int) -> str:
         return "authentication"
     if status == 429:
         return "rate_limit"
+    if status == 413:
+        return "too_large"
     if status in (503, 529):
         return "overloaded"
     if status == 504:

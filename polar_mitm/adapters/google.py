@@ -450,7 +450,8 @@ def stream(result: dict, request: dict) -> list[bytes]:
 _STATUS = {"invalid_request": "INVALID_ARGUMENT", "context_too_long": "INVALID_ARGUMENT",
            "overloaded": "UNAVAILABLE", "timeout": "DEADLINE_EXCEEDED",
            "backend_error": "INTERNAL", "not_found": "NOT_FOUND",
-           "authentication": "UNAUTHENTICATED", "rate_limit": "RESOURCE_EXHAUSTED"}
+           "authentication": "UNAUTHENTICATED", "rate_limit": "RESOURCE_EXHAUSTED",
+           "too_large": "INVALID_ARGUMENT"}
 
 
 def error(status: int, message: str, kind: str | None = None) -> dict:

@@ -42,7 +42,10 @@ def to_chat(body: dict, path: str = "") -> dict:
     effort = body.get("reasoning_effort")
     req["reasoning"] = {"effort": effort, "budget_tokens": None} if effort else None
     # stream_options only shapes our answer (the backend call is never streamed).
-    req["provider"]["include_usage"] = bool((body.get("stream_options") or {}).get("include_usage"))
+    options = body.get("stream_options")
+    if options is not None:
+        expect_type(options, dict, "stream_options")
+    req["provider"]["include_usage"] = bool((options or {}).get("include_usage"))
     req["dropped"] = sorted(k for k in body if k not in _HANDLED)
     return req
 
@@ -248,7 +251,7 @@ def stream(result: dict, request: dict) -> list[bytes]:
 _TYPES = {"invalid_request": "invalid_request_error", "context_too_long": "invalid_request_error",
           "overloaded": "server_error", "timeout": "server_error", "backend_error": "server_error",
           "not_found": "invalid_request_error", "authentication": "authentication_error",
-          "rate_limit": "rate_limit_error"}
+          "rate_limit": "rate_limit_error", "too_large": "invalid_request_error"}
 
 
 def error(status: int, message: str, kind: str | None = None) -> dict:

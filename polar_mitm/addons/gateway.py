@@ -8,13 +8,20 @@ nothing a harness sends ever reaches the outside."""
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import re
 import time
 import uuid
+import zlib
+
 import httpx
 import orjson
+import zstandard
 from mitmproxy import ctx, exceptions, http
+from mitmproxy.proxy import commands, events, layer, mode_specs
+from mitmproxy.proxy.layers import DNSLayer, RawQuicLayer, TCPLayer, UDPLayer
+from mitmproxy.utils import human
 
 from polar_mitm import adapters
 from polar_mitm.adapters import backend
@@ -36,6 +43,10 @@ class BackendUnavailable(AdapterError):
 
 class BackendTimeout(AdapterError):
     status, kind = 504, "timeout"
+
+
+class BodyTooLarge(AdapterError):
+    status, kind = 413, "too_large"
 
 
 def parse_overrides(text: str) -> dict:
@@ -64,6 +75,7 @@ class PolarGateway:
         self._policy: tuple[float, str | None] = (0.0, None)
         self._slots: asyncio.Semaphore | None = None
         self._filters: dict[str, re.Pattern | None] = {}  # polar_model_hosts/_paths
+        self.max_body = 64 * 1024 * 1024   # polar_max_body, in bytes
         self.calls = 0
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -95,8 +107,27 @@ class PolarGateway:
                           "Calls in flight to the backend at once (0: unlimited).")
         loader.add_option("polar_policy_version", str, "",
                           "Policy tag recorded when the backend reports no weight version.")
+        loader.add_option("polar_max_body", str, "64m",
+                          "Largest request body, as sent and once decompressed (e.g. 64m); "
+                          "larger ones get a 413. Also caps mitmproxy's body_size_limit.")
 
     def configure(self, updated):
+        # First, so that an invalid option below cannot leave a passthrough on.
+        self._close_to_outside(updated)
+        if "polar_max_body" in updated:
+            try:
+                limit = human.parse_size(ctx.options.polar_max_body)
+            except ValueError:
+                limit = None
+            if not limit or limit <= 0:
+                raise exceptions.OptionsError(
+                    f"polar_max_body: expected a size like 64m, got {ctx.options.polar_max_body!r}")
+            self.max_body = limit
+        if ("polar_max_body" in updated or "body_size_limit" in updated) and "body_size_limit" in ctx.options:
+            # mitmproxy stops reading a larger body itself (its own 413), so memory stays bounded.
+            current = human.parse_size(ctx.options.body_size_limit)
+            if current is None or current > self.max_body:
+                ctx.options.body_size_limit = str(self.max_body)
         if "polar_sampling" in updated:
             self.overrides = parse_overrides(ctx.options.polar_sampling)
         for name in ("polar_model_hosts", "polar_model_paths"):
@@ -114,11 +145,27 @@ class PolarGateway:
         if "polar_served_model" in updated or "polar_backend" in updated:
             self._served_model = ctx.options.polar_served_model or None
             self._model_listed = False
-        # Every answer is made here: never connect to the real provider hosts.
-        if ctx.options.connection_strategy != "lazy":
-            ctx.options.connection_strategy = "lazy"
-        if ctx.options.upstream_cert:
-            ctx.options.upstream_cert = False
+
+    def _close_to_outside(self, updated):
+        """Every answer is made here: never connect to the real hosts. Forced rather than
+        refused, since a script whose configure fails stays loaded with these unset."""
+        # rawtcp stays: it tells non-HTTP apart, and next_layer closes what it would relay.
+        forced = {"connection_strategy": "lazy", "upstream_cert": False,
+                  "stream_large_bodies": None,  # a streamed body goes to the server before `request`
+                  "ignore_hosts": [], "allow_hosts": [], "tcp_hosts": [], "udp_hosts": []}
+        for name, value in forced.items():
+            if name in updated and getattr(ctx.options, name) != value:
+                if name not in ("connection_strategy", "upstream_cert"):
+                    log.warning("polar: %s would pass traffic to the outside; ignored", name)
+                setattr(ctx.options, name, value)
+        if "mode" in updated:
+            for spec in ctx.options.mode:
+                mode = mode_specs.ProxyMode.parse(spec)
+                if not (isinstance(mode, (mode_specs.RegularMode, mode_specs.Socks5Mode))
+                        or isinstance(mode, mode_specs.ReverseMode) and mode.scheme in ("http", "https")):
+                    raise exceptions.OptionsError(
+                        f"mode {spec}: polar-mitm answers HTTP itself and relays nothing; "
+                        f"use regular, socks5 or reverse:http(s)://")
 
     def running(self):
         self._ensure_writer()
@@ -155,16 +202,49 @@ class PolarGateway:
     def client_disconnected(self, client):
         self._proxy_users.pop(client.id, None)
 
+    def next_layer(self, nextlayer: layer.NextLayer):
+        """The fail-closed backstop: whatever the options say, a raw TCP/UDP/DNS/QUIC relay
+        (passthrough, non-HTTP after CONNECT or inside TLS) is replaced by a local close."""
+        if nextlayer.layer is None:
+            # Scripts run before mitmproxy's own next_layer addon: decide with it, then check.
+            builtin = ctx.master.addons.get("nextlayer")
+            if builtin is None:
+                return
+            builtin.next_layer(nextlayer)
+        child = nextlayer.layer
+        while child is not None:
+            if isinstance(child, (TCPLayer, UDPLayer, DNSLayer, RawQuicLayer)):
+                log.info("polar: refused a %s connection to %s (nothing is relayed)",
+                         type(child).__name__, nextlayer.context.server.address)
+                nextlayer.layer = _Refused(nextlayer.context)
+                return
+            child = getattr(child, "child_layer", None)
+
+    def server_connect(self, data):
+        # The last line: mitmproxy itself never connects anywhere (the backend is reached with
+        # httpx), so any server connection it would open, lookup included, is cancelled here.
+        data.server.error = "polar-mitm relays nothing to the outside"
+
+    async def error(self, flow: http.HTTPFlow):
+        # mitmproxy stopped reading a body over body_size_limit and answered 413 itself.
+        if (flow.response is None and flow.error and "body_size_limit" in flow.error.msg
+                and self._may_be_model_call(flow.request)):
+            style = adapters.detect(flow.request.method, flow.request.path, dict(flow.request.headers))
+            if style:
+                await self._model_call(flow, style, BodyTooLarge(
+                    f"request body is larger than polar_max_body ({self.max_body} bytes)"))
+                flow.response = None   # the client got mitmproxy's answer, not this one
+
     async def request(self, flow: http.HTTPFlow):
         if flow.response is not None:
             return
         try:
             await self._route(flow)
-        except Exception as e:  # a bug must never let the request through to the real host
+        except Exception:  # a bug must never let the request through to the real host
             log.exception("polar: unexpected error")
             if flow.response is None:
-                flow.response = http.Response.make(
-                    500, orjson.dumps({"error": {"message": f"polar-mitm internal error: {e}",
+                flow.response = http.Response.make(  # Python's text stays in the log
+                    500, orjson.dumps({"error": {"message": "polar-mitm internal error",
                                                  "type": "api_error"}}), _JSON)
 
     async def _route(self, flow: http.HTTPFlow):
@@ -172,8 +252,10 @@ class PolarGateway:
         body = None
         if req.method == "POST":
             try:
-                body = orjson.loads(req.get_content() or b"null")
-            except (orjson.JSONDecodeError, ValueError):
+                body = orjson.loads(_decoded_body(req, self.max_body) or b"null")
+            except AdapterError as e:  # too large or undecodable: answered as a failed call
+                body = e
+            except orjson.JSONDecodeError:
                 body = None
         style = None
         if self._may_be_model_call(req) and not is_count_tokens(req.path):
@@ -192,7 +274,9 @@ class PolarGateway:
         session = self._session(flow, split_path(req.path)[1])
         record = {"call_id": str(uuid.uuid4()), "style": style, "method": req.method,
                   "path": sessions.redact_query(req.path), "started_at": time.time(),
-                  "request_json": body if body is not None else _raw_text(req),
+                  "request_json": (f"<request body not kept: {body}>" if isinstance(body, AdapterError)
+                                   else body if body is not None and _depth_ok(body)
+                                   else _raw_text(req)),
                   "queue_ms": 0.0, "backend_ms": 0.0}
         try:
             status, content, headers = await self._serve(mod, body, req.path, record)
@@ -202,11 +286,14 @@ class PolarGateway:
             status, kind = (e.status, e.kind) if isinstance(e, AdapterError) else (500, "backend_error")
             if kind == "overloaded":
                 status = _overloaded_status(mod)
-            answer = mod.error(status, str(e) or type(e).__name__, kind)
+            # A bug's Python text goes to the log and the record, not to the harness.
+            message = (str(e) or type(e).__name__) if isinstance(e, AdapterError) \
+                else "polar-mitm internal error"
+            answer = mod.error(status, message, kind)
             content, headers = orjson.dumps(answer), dict(_JSON)
             record.update(status_code=status, response_json=answer, error=str(e)[:2000] or repr(e),
                           error_kind=kind)
-        record["total_ms"] = (time.perf_counter() - t0) * 1000
+        record["_t0"] = t0   # the writer stamps total_ms at the durable append the harness waits for
         try:
             await asyncio.wrap_future(self._ensure_writer().submit(session, record))
         except Exception as e:  # not recorded -> not acknowledged: the harness retries
@@ -219,13 +306,18 @@ class PolarGateway:
 
     async def _serve(self, mod, body, path: str, record: dict) -> tuple[int, bytes, dict]:
         """Translate, complete on the backend, answer in the client's format; fills record."""
+        if isinstance(body, AdapterError):  # the body could not be read (too large, bad encoding)
+            raise body
         if not isinstance(body, dict):
             raise AdapterError("request body must be a JSON object")
+        if not _depth_ok(body):
+            raise AdapterError(f"request body is nested deeper than {MAX_BODY_DEPTH} levels")
         normalized = mod.to_chat(body, path)
         record.update(normalized_json=normalized, stream=normalized["stream"],
                       requested_model=normalized["model"], dropped=normalized["dropped"])
         served = await self._served()
         backend_body = backend.to_backend(normalized, served, self.overrides, self._max_model_len)
+        await self._fit_max_tokens(backend_body)
         record.update(served_model=served, backend_request_json=backend_body)
         q0 = time.perf_counter()
         if self._slots:
@@ -268,6 +360,34 @@ class PolarGateway:
             return orjson.loads(resp.content)
         except orjson.JSONDecodeError:
             raise backend.BackendError("the model backend answered with invalid JSON") from None
+
+    async def _fit_max_tokens(self, body: dict) -> None:
+        """Caps max_tokens at what the context leaves after the prompt: some vLLM versions
+        refuse more (Claude Code asks for 64000). A token is at least one byte of the rendered
+        prompt, so the backend counts the prompt only when its bytes could matter."""
+        limit, wanted = self._max_model_len, body.get("max_tokens")
+        if not limit or not isinstance(wanted, int):
+            return
+        text = orjson.dumps([body["messages"], body.get("tools")])
+        # an image URL is short but renders to many tokens
+        if wanted + len(text) + TEMPLATE_SLACK <= limit and b'"image_url"' not in text:
+            return
+        try:
+            count = await self._tokenize(body)
+        except (AdapterError, httpx.HTTPError, ValueError) as e:  # the completion call will say more
+            log.warning("polar: could not count prompt tokens, max_tokens left at %s: %s", wanted, e)
+            return
+        body["max_tokens"] = max(1, min(wanted, limit - count))
+
+    async def _tokenize(self, backend_body: dict) -> int:
+        """The prompt's token count from vLLM's /tokenize, rendered as the completion will be."""
+        keys = ("model", "messages", "tools", "add_generation_prompt", "continue_final_message")
+        tok = {k: backend_body[k] for k in keys if k in backend_body}
+        resp = await self._http().post(ctx.options.polar_backend.rstrip("/") + "/tokenize",
+                                       content=orjson.dumps(tok), headers=_JSON)
+        if resp.status_code != 200:
+            raise backend.backend_error(resp.status_code, resp.content)
+        return int(resp.json().get("count", 0))
 
     async def _served(self) -> str:
         if self._model_listed:
@@ -363,13 +483,7 @@ class PolarGateway:
             else:
                 normalized = mod.to_chat({"max_tokens": 1, **body})
             served = await self._served()
-            tok_body = backend.to_backend(normalized, served)
-            tok = {k: tok_body[k] for k in ("model", "messages", "tools") if k in tok_body}
-            resp = await self._http().post(ctx.options.polar_backend.rstrip("/") + "/tokenize",
-                                           content=orjson.dumps(tok), headers=_JSON)
-            if resp.status_code != 200:
-                raise backend.backend_error(resp.status_code, resp.content)
-            count = int(resp.json().get("count", 0))
+            count = await self._tokenize(backend.to_backend(normalized, served))
         except AdapterError as e:
             return http.Response.make(e.status, orjson.dumps(mod.error(e.status, str(e), e.kind)), _JSON)
         except httpx.HTTPError:
@@ -380,6 +494,14 @@ class PolarGateway:
         return http.Response.make(200, orjson.dumps(answer), _JSON)
 
 
+class _Refused(layer.Layer):
+    """Stands in for a relay layer: closes the client connection and opens nothing."""
+
+    def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        if isinstance(event, events.Start):
+            yield commands.CloseConnection(self.context.client)
+
+
 def _overloaded_status(mod) -> int:
     # Anthropic clients retry 529 (overloaded); the other providers use 503.
     return getattr(mod, "OVERLOADED_STATUS", 503)
@@ -387,6 +509,78 @@ def _overloaded_status(mod) -> int:
 
 def _is_websocket(req: http.Request) -> bool:
     return req.headers.get("upgrade", "").lower() == "websocket"
+
+
+# Bytes a chat template adds around the messages (roles, tool instructions); the messages'
+# JSON is otherwise longer than their rendered text.
+TEMPLATE_SLACK = 4096
+
+MAX_BODY_DEPTH = 200   # orjson writes 254 levels at most; no real request comes near
+
+
+def _depth_ok(value, limit: int = MAX_BODY_DEPTH) -> bool:
+    """Iteratively, so a hostile body cannot exhaust the stack."""
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if d > limit:
+            return False
+        if isinstance(v, dict):
+            stack.extend((x, d + 1) for x in v.values())
+        elif isinstance(v, list):
+            stack.extend((x, d + 1) for x in v)
+    return True
+
+
+def _decoded_body(req: http.Request, limit: int) -> bytes:
+    """The body as its content-encoding says, never more than limit bytes, decompressed a
+    piece at a time: mitmproxy's get_content() would expand a gzip bomb whole."""
+    data = req.raw_content or b""
+    codings = [c.strip().lower() for c in req.headers.get("content-encoding", "").split(",")]
+    for coding in reversed([c for c in codings if c and c != "identity"]):
+        if len(data) > limit:
+            break
+        try:
+            if coding in ("gzip", "x-gzip", "deflate"):
+                data = _inflate(data, coding, limit)
+            elif coding == "zstd":
+                reader = zstandard.ZstdDecompressor(max_window_size=1 << 25).stream_reader(io.BytesIO(data),
+                                                                     read_across_frames=True)
+                out = bytearray()
+                while chunk := reader.read(min(1 << 20, limit + 1 - len(out))):
+                    out += chunk
+                    if len(out) > limit:
+                        raise BodyTooLarge(f"request body is larger than polar_max_body ({limit} bytes)")
+                data = bytes(out)
+            else:  # br has no bounded decoder here; no harness compresses requests with it
+                raise AdapterError(f"content-encoding {coding!r} is not accepted for requests",
+                                   status=415)
+        except (zlib.error, zstandard.ZstdError) as e:
+            raise AdapterError(f"the request body is not valid {coding}: {e}") from None
+    if len(data) > limit:
+        raise BodyTooLarge(f"request body is larger than polar_max_body ({limit} bytes)")
+    return data
+
+
+def _inflate(data: bytes, coding: str, limit: int) -> bytes:
+    # deflate comes zlib-wrapped or raw (as mitmproxy accepts); gzip may have several members
+    if coding == "deflate":
+        wbits = 15 if len(data) > 1 and data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0 else -15
+    else:
+        wbits = 31
+    out, d = bytearray(), zlib.decompressobj(wbits)
+    while True:
+        out += d.decompress(data, limit + 1 - len(out))   # at most what would still fit, plus one
+        if len(out) > limit:
+            raise BodyTooLarge(f"request body is larger than polar_max_body ({limit} bytes)")
+        data = d.unconsumed_tail
+        if not data and d.eof and d.unused_data and wbits == 31:
+            data, d = d.unused_data, zlib.decompressobj(wbits)
+        elif not data:
+            break
+    if not d.eof:
+        raise zlib.error("truncated stream")
+    return bytes(out)
 
 
 def _raw_text(req: http.Request) -> str:

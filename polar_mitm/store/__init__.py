@@ -1,7 +1,8 @@
 """The DuckDB store: schema, writer, readers. All SQL of the project lives here."""
 
 from .db import StoreBusy, connect, export_parquet, init_db, migrate, query, reading, set_reward
-from .writer import CallWriter, spool_path
+from .calllog import log_dir
+from .writer import CallWriter
 
 __all__ = ["CallWriter", "StoreBusy", "connect", "export_parquet", "init_db", "migrate",
-           "query", "reading", "set_reward", "spool_path"]
+           "log_dir", "query", "reading", "set_reward"]

@@ -39,20 +39,43 @@ def readers_dir(path: str | os.PathLike) -> Path:
 
 
 def readers_waiting(path: str | os.PathLike) -> bool:
-    """Whether a reader (of any process) has asked for the file."""
+    """Whether a reader (of any process) has asked for the file. A request whose process
+    is gone (killed readers never clean up) is removed at once."""
     try:
         entries = list(os.scandir(readers_dir(path)))
     except FileNotFoundError:
         return False
     now = time.time()
+    waiting = False
     for entry in entries:
+        if not _is_request(entry.name):
+            if entry.name.endswith(READY_SUFFIX) and not os.path.exists(entry.path[:-len(READY_SUFFIX)]):
+                try:
+                    os.unlink(entry.path)   # its reader is gone
+                except FileNotFoundError:
+                    pass
+            continue
         try:
-            if now - entry.stat().st_mtime < READ_REQUEST_STALE_S:
-                return True
-            os.unlink(entry.path)
+            if _pid_alive(entry.name) and now - entry.stat().st_mtime < READ_REQUEST_STALE_S:
+                waiting = True
+            else:
+                os.unlink(entry.path)
         except FileNotFoundError:
             pass
-    return False
+    return waiting
+
+
+def _pid_alive(request_name: str) -> bool:
+    pid = request_name.partition("-")[0]
+    if not pid.isdigit():
+        return True          # not ours to judge: the age limit still applies
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def connect(path: str | os.PathLike, *, read_only: bool = False,
@@ -72,16 +95,61 @@ def connect(path: str | os.PathLike, *, read_only: bool = False,
         delay = min(delay * 2, 0.1)
 
 
+LOADER_FILE = ".loader"      # in <db>.readers/: the pid of a proxy loading its call log
+READY_SUFFIX = ".ready"      # the loader's answer: everything acknowledged is in the file
+READY_WAIT_S = 5.0
+
+
 @contextmanager
 def _announced(path: str | os.PathLike) -> Iterator[None]:
-    """Ask a running proxy's writer to let go of the file while we use it."""
+    """Ask a running proxy's loader to load what it has acknowledged and then leave the
+    file alone while we use it."""
     request = readers_dir(path) / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    request.parent.mkdir(parents=True, exist_ok=True)
+    request.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     request.touch()
+    ready = request.with_name(request.name + READY_SUFFIX)
     try:
+        if loader_running(path):
+            deadline = time.monotonic() + READY_WAIT_S
+            while not ready.exists() and time.monotonic() < deadline and loader_running(path):
+                time.sleep(0.005)
         yield
     finally:
         request.unlink(missing_ok=True)
+        ready.unlink(missing_ok=True)
+
+
+def _catch_up_if_orphaned(path: str | os.PathLike, timeout: float) -> None:
+    """Calls a killed proxy acknowledged are in its log: load them before reading."""
+    from .calllog import log_dir
+    if loader_running(path) or not log_dir(path).exists():
+        return
+    from .writer import catch_up
+    try:
+        catch_up(path, timeout)
+    except duckdb.Error:
+        pass   # read-only file or the like: read what is there
+
+
+def loader_running(path: str | os.PathLike) -> bool:
+    try:
+        pid = (readers_dir(path) / LOADER_FILE).read_text().strip()
+    except (FileNotFoundError, OSError):
+        return False
+    return pid.isdigit() and _pid_alive(f"{pid}-")
+
+
+def pending_requests(path: str | os.PathLike) -> list[Path]:
+    """Live read requests (stale ones are removed)."""
+    readers_waiting(path)
+    try:
+        return [Path(e.path) for e in os.scandir(readers_dir(path)) if _is_request(e.name)]
+    except FileNotFoundError:
+        return []
+
+
+def _is_request(name: str) -> bool:
+    return not name.startswith(".") and not name.endswith(READY_SUFFIX)
 
 
 @contextmanager
@@ -89,6 +157,7 @@ def reading(path: str | os.PathLike, timeout: float = 30.0) -> Iterator[duckdb.D
     """A read-only connection, closed on exit so the proxy can write again."""
     if not Path(path).exists():
         raise FileNotFoundError(f"no database at {path}")
+    _catch_up_if_orphaned(path, timeout)
     with _announced(path):
         con = connect(path, read_only=True, timeout=timeout)
         try:
@@ -136,6 +205,7 @@ def migrate(con: duckdb.DuckDBPyConnection) -> int:
 def init_db(path: str | os.PathLike, timeout: float = 30.0) -> str:
     """Create or migrate the file; returns its key-hash salt (made once per database)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fresh = not Path(path).exists()
     with writing(path, timeout) as con:
         migrate(con)
         row = con.execute("SELECT value FROM meta WHERE key = 'key_salt'").fetchone()
@@ -143,7 +213,9 @@ def init_db(path: str | os.PathLike, timeout: float = 30.0) -> str:
             return row[0]
         salt = os.urandom(16).hex()
         con.execute("INSERT INTO meta VALUES ('key_salt', ?)", [salt])
-        return salt
+    if fresh:
+        os.chmod(path, 0o600)   # prompts and answers are nobody else's business
+    return salt
 
 
 def query(path: str | os.PathLike, sql: str, params: list | None = None,

@@ -1,35 +1,38 @@
-"""The proxy's writer: one thread that group-commits call records.
+"""The proxy's writer: calls are acknowledged after a durable append to the call log, and a
+loader thread moves the log into DuckDB in bulk, off the request path.
 
-Hooks hand a record to submit() and await the returned future; it resolves only after
-the record's transaction is committed (fsynced WAL), so every call the harness got an
-answer for survives a SIGKILL. Records that arrive while a batch is being written go
-into the next batch, so under load one commit covers many calls.
-
-Opening a DuckDB file costs tens of milliseconds, so while calls keep coming the writer
-keeps its connection (and so the file's lock) and lets go after `linger` seconds
-without work. Readers of other processes ask for the file by leaving a request file in
-`<db>.readers/` (store.reading does this); the writer sees it before its next batch,
-closes, and waits for the readers to finish before opening again.
-
-If another process holds the file past `lock_timeout`, the batch is appended to a
-spool file beside the database (fsynced) and imported by the next batch that gets
-the lock: the proxy never stalls on a long reader and nothing is lost."""
+- submit() hands a record to the log thread and returns a future. The thread serializes
+  each record on its own (one bad record fails only its own call), appends the batch to
+  the log and fsyncs once for all of them (group commit), then resolves the futures with
+  each call's sequence number. Records that arrive during an fsync share the next one.
+- The loader wakes every few tens of milliseconds. It opens the database only to load a
+  bulk of log lines (one transaction that also stores how far the log is loaded, so
+  every line lands exactly once), checkpoints there when DuckDB wants to, and closes the
+  file at once. When a reader of another process asks for the file (a request file in
+  `<db>.readers/`), the loader first loads what is pending, so the reader sees every
+  acknowledged call, then leaves the file alone until the reader is done. Calls never
+  wait on DuckDB, whoever holds it and for however long.
+"""
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import queue
 import threading
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
 import orjson
 import pyarrow as pa
 
-from .db import StoreBusy, connect, init_db, readers_waiting
+from .calllog import LogAppender, Position, drop_loaded, log_dir, read_lines
+from .db import (LOADER_FILE, READY_SUFFIX, StoreBusy, connect, init_db, pending_requests,
+                 readers_dir, writing)
 from .schema import CALL_COLUMNS, JSON_COLUMNS
+
+log = logging.getLogger("polar")
 
 _ARROW_TYPES = {
     "seq": pa.int32(), "stream": pa.bool_(), "status_code": pa.int32(),
@@ -39,54 +42,95 @@ _ARROW_TYPES = {
     "total_ms": pa.float64(), "dropped": pa.list_(pa.string()),
     "started_at": pa.timestamp("us", tz="UTC"),
 }
+_SESSION_COLUMNS = ("session_id", "task_id", "source", "client", "user_agent")
 _STOP = object()
-
-
-def spool_path(db_path: str | os.PathLike) -> Path:
-    return Path(f"{db_path}.spool.jsonl")
+POSITION_KEY = "log_position"
 
 
 class CallWriter:
     def __init__(self, db_path: str | os.PathLike, *, lock_timeout: float = 10.0,
-                 linger: float = 0.25):
+                 load_interval: float = 0.2, poll: float = 0.03):
         self.db_path = str(db_path)
         self.lock_timeout = lock_timeout
-        self.linger = linger
-        self._con = None
+        self.load_interval = load_interval
+        self.poll = poll
         self.salt = ""
         self._queue: queue.Queue = queue.Queue()
         self._seq: dict[str, int] = {}
-        self._thread = threading.Thread(target=self._run, name="polar-writer", daemon=True)
-        self.batches = 0
-        self.spooled = 0
+        self._log: LogAppender | None = None
+        self._position = Position()
+        self._appended = 0                 # lines appended but maybe not loaded yet
+        self._loaded_upto = 0
+        self._stopping = threading.Event()
+        self._wake = threading.Event()
+        self._log_thread = threading.Thread(target=self._run_log, name="polar-log", daemon=True)
+        self._load_thread = threading.Thread(target=self._run_loader, name="polar-loader", daemon=True)
+        self.batches = 0                   # fsynced log batches
+        self.loads = 0                     # bulk loads into DuckDB
+        self.load_errors = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> "CallWriter":
         self.salt = init_db(self.db_path, timeout=max(self.lock_timeout, 30))
-        self._thread.start()
+        directory = log_dir(self.db_path)
+        with writing(self.db_path, timeout=max(self.lock_timeout, 30)) as con:
+            row = con.execute("SELECT value FROM meta WHERE key = ?", [POSITION_KEY]).fetchone()
+            self._position = Position.decode(row[0] if row else None)
+            self._seq = dict(con.execute("SELECT session_id, max(seq) FROM calls GROUP BY 1").fetchall())
+        # Lines a previous run acknowledged but did not load yet count for the numbering.
+        pos = self._position
+        while True:
+            lines, nxt = read_lines(directory, pos)
+            for line in lines:
+                entry = _loads(line)
+                if entry:
+                    sid = entry["s"]["session_id"]
+                    self._seq[sid] = max(self._seq.get(sid, 0), entry["r"]["seq"])
+            self._appended += len(lines)
+            if nxt == pos:
+                break
+            pos = nxt
+        self._log = LogAppender(directory, after=self._position.seg)
+        marker = readers_dir(self.db_path) / LOADER_FILE
+        marker.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        marker.write_text(str(os.getpid()))
+        self._log_thread.start()
+        self._load_thread.start()
+        self._wake.set()
         return self
 
     def submit(self, session: dict, record: dict) -> concurrent.futures.Future:
         """session: {session_id, task_id, source, client, user_agent}; record: call columns
-        (seq is assigned here). The future's result is the call's seq."""
+        (seq is assigned here; `_t0`, the call's perf_counter start, fills total_ms). The
+        future's result is the call's seq, once its record is durable."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((session, record, fut))
+        self._queue.put((session, record, fut, time.perf_counter()))
         return fut
 
     def close(self, timeout: float = 30.0) -> None:
-        if self._thread.is_alive():
+        if self._log_thread.is_alive():
             self._queue.put(_STOP)
-            self._thread.join(timeout)
+            self._log_thread.join(timeout)
+        if self._load_thread.is_alive():
+            self._stopping.set()
+            self._wake.set()
+            self._load_thread.join(timeout)
+        if self._log:
+            self._log.close()
+        marker = readers_dir(self.db_path) / LOADER_FILE
+        try:
+            if marker.read_text().strip() == str(os.getpid()):
+                marker.unlink()
+        except (FileNotFoundError, OSError):
+            pass
 
-    # ---- writer thread -----------------------------------------------------------------
+    # ---- the log thread ------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run_log(self) -> None:
         stopping = False
         while not stopping:
-            try:
-                item = self._queue.get(timeout=self.linger if self._con else None)
-            except queue.Empty:
-                self._release()  # idle: let other processes have the file
-                continue
+            item = self._queue.get()
             batch = []
             while True:
                 if item is _STOP:
@@ -98,95 +142,191 @@ class CallWriter:
                 except queue.Empty:
                     break
             if batch:
-                self._commit(batch)
-        self._release()
+                try:
+                    self._append(batch)
+                except BaseException as e:  # never let the thread die: fail this batch only
+                    log.exception("polar: the call log failed")
+                    for *_, fut, _ in batch:
+                        _resolve(fut, exc=e)
 
-    def _release(self) -> None:
-        if self._con is not None:
-            con, self._con = self._con, None
+    def _append(self, batch: list) -> None:
+        lines, done = [], []
+        now = time.perf_counter()
+        for session, record, fut, queued in batch:
+            if fut.done():            # its waiter went away (cancelled): nothing to record
+                continue
+            sid = session["session_id"]
+            seq = self._seq.get(sid, 0) + 1
+            rec = dict(record)
+            t0 = rec.pop("_t0", None)
+            if t0 is not None:        # what the harness waits for, up to this durable append
+                rec["total_ms"] = (now - t0) * 1000
+            rec["queue_ms"] = (rec.get("queue_ms") or 0.0) + (now - queued) * 1000
+            rec["seq"] = seq
             try:
-                con.close()
-            except Exception:  # closing must never kill the writer thread
+                line = _dumps({"s": session, "r": _jsonable(rec)})
+            except Exception as e:
+                _resolve(fut, exc=e)
+                continue
+            self._seq[sid] = seq
+            lines.append(line)
+            done.append((fut, seq))
+        if not lines:
+            return
+        # On failure (disk full) the batch's futures fail; the numbers it took leave a gap.
+        self._log.append(b"".join(lines))
+        self.batches += 1
+        self._appended += len(lines)
+        for fut, seq in done:
+            _resolve(fut, result=seq)
+
+    # ---- the loader thread ---------------------------------------------------------------
+
+    def _run_loader(self) -> None:
+        last = 0.0
+        while True:
+            self._wake.wait(self.poll)
+            self._wake.clear()
+            if self._stopping.is_set():
+                self._final_load()
+                return
+            pending = self._appended - self._loaded_upto
+            readers = pending_requests(self.db_path)
+            if readers:
+                # Let the readers see every acknowledged call, tell them, then step aside.
+                if not pending or self._load_pending(timeout=1.0):
+                    for r in readers:
+                        ready = r.with_name(r.name + READY_SUFFIX)
+                        if not ready.exists() and r.exists():
+                            ready.touch()
+                continue
+            if pending and (time.monotonic() - last >= self.load_interval or pending >= 5000):
+                self._load_pending(timeout=0.05)
+                last = time.monotonic()
+
+    def _final_load(self) -> None:
+        deadline = time.monotonic() + self.lock_timeout
+        while self._appended > self._loaded_upto and time.monotonic() < deadline:
+            if not self._load_pending(timeout=max(0.05, deadline - time.monotonic())):
+                time.sleep(0.05)
+
+    def _load_pending(self, timeout: float) -> bool:
+        try:
+            while True:
+                target = self._appended
+                lines, nxt = read_lines(log_dir(self.db_path), self._position)
+                if nxt == self._position:
+                    self._loaded_upto = target
+                    return True
+                self._load(lines, nxt, timeout)
+                if not lines:
+                    continue
+        except StoreBusy:
+            return False          # someone else holds the file; the log keeps the calls
+        except Exception:
+            self.load_errors += 1
+            log.exception("polar: loading the call log into DuckDB failed; will retry")
+            return False
+
+    def _load(self, lines: list[bytes], nxt: Position, timeout: float) -> None:
+        con = connect(self.db_path, timeout=timeout)
+        try:
+            load_lines(con, lines, nxt)
+        finally:
+            con.close()   # hand the file to readers at once
+        self._position = nxt
+        self.loads += 1
+        drop_loaded(log_dir(self.db_path), nxt, keep_from=self._log.seg if self._log else nxt.seg)
+
+
+def load_lines(con, lines: list[bytes], nxt: Position) -> None:
+    """One transaction: the calls of these log lines (each once: call_id is the key) and
+    the log position after them."""
+    entries = [e for e in map(_loads, lines) if e]
+    sessions = {}
+    for e in entries:
+        sessions.setdefault(e["s"]["session_id"], e["s"])
+    cols = ", ".join(CALL_COLUMNS)
+    con.execute("BEGIN")
+    try:
+        if entries:
+            con.register("session_table", pa.table(
+                {c: pa.array([s.get(c) for s in sessions.values()], type=pa.string()) for c in _SESSION_COLUMNS}))
+            con.register("call_table", _to_arrow([e["r"] | {"session_id": e["s"]["session_id"]} for e in entries]))
+            con.execute("INSERT INTO sessions (session_id, task_id, source, client, user_agent) "
+                        "SELECT * FROM session_table ON CONFLICT DO NOTHING")
+            con.execute(f"INSERT INTO calls ({cols}) SELECT {cols} FROM call_table ON CONFLICT DO NOTHING")
+        con.execute("INSERT INTO meta VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                    [POSITION_KEY, nxt.encode()])
+        con.execute("COMMIT")
+    except Exception:
+        con.execute("ROLLBACK")
+        raise
+    finally:
+        for name in ("session_table", "call_table"):
+            try:
+                con.unregister(name)
+            except Exception:
                 pass
 
-    def _connection(self):
-        if readers_waiting(self.db_path):
-            self._release()
-            deadline = time.monotonic() + self.lock_timeout
-            while readers_waiting(self.db_path) and time.monotonic() < deadline:
-                time.sleep(0.005)
-        if self._con is None:
-            self._con = connect(self.db_path, timeout=self.lock_timeout)
-        return self._con
 
-    def _commit(self, batch: list) -> None:
+def catch_up(db_path: str | os.PathLike, timeout: float = 30.0) -> int:
+    """Load what a proxy acknowledged but did not load (it was killed, or its file was
+    copied here). Only when no proxy is loading this log; returns the lines loaded."""
+    directory = log_dir(db_path)
+    if not directory.exists():
+        return 0
+    loaded = 0
+    con = connect(db_path, timeout=timeout)
+    try:
+        while True:
+            row = con.execute("SELECT value FROM meta WHERE key = ?", [POSITION_KEY]).fetchone()
+            pos = Position.decode(row[0] if row else None)
+            lines, nxt = read_lines(directory, pos)
+            if nxt == pos:
+                return loaded
+            load_lines(con, lines, nxt)
+            loaded += len(lines)
+    finally:
+        con.close()
+
+
+def _resolve(fut: concurrent.futures.Future, result=None, exc: BaseException | None = None) -> None:
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass   # cancelled by its waiter meanwhile
+
+
+def _dumps(entry: dict) -> bytes:
+    try:
+        return orjson.dumps(entry) + b"\n"
+    except orjson.JSONEncodeError:
+        pass
+    # orjson writes at most 254 levels of nesting (it reads 1024). The gateway keeps such a
+    # body as its raw text; anything else that deep is marked rather than fail the call.
+    rec = dict(entry["r"])
+    for col in JSON_COLUMNS:
+        value = rec.get(col)
+        if value is None:
+            continue
         try:
-            seqs = self._write([(s, r) for s, r, _ in batch])
-        except StoreBusy:
-            self._spool([(s, r) for s, r, _ in batch])
-            seqs = [None] * len(batch)
-        except Exception as e:  # never leave a hook waiting forever
-            self._release()
-            for _, _, fut in batch:
-                fut.set_exception(e)
-            return
-        for (_, _, fut), seq in zip(batch, seqs):
-            fut.set_result(seq)
-
-    def _write(self, items: list[tuple[dict, dict]]) -> list[int]:
-        spool = spool_path(self.db_path)
-        con = self._connection()
-        pending = _read_spool(spool)
-        all_items = pending + items
-        sessions = {s["session_id"]: s for s, _ in all_items}
-        con.execute("BEGIN")
-        try:
-            con.executemany(
-                "INSERT INTO sessions (session_id, task_id, source, client, user_agent) "
-                "VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-                [[s["session_id"], s.get("task_id"), s.get("source"), s.get("client"),
-                  s.get("user_agent")] for s in sessions.values()])
-            last = {sid: self._seq[sid] if sid in self._seq else con.execute(
-                "SELECT coalesce(max(seq), 0) FROM calls WHERE session_id = ?", [sid]).fetchone()[0]
-                for sid in sessions}
-            rows, seqs = [], []
-            for s, r in all_items:
-                last[s["session_id"]] += 1
-                seqs.append(last[s["session_id"]])
-                rows.append(r | {"session_id": s["session_id"], "seq": seqs[-1]})
-            batch_table = _to_arrow(rows)  # noqa: F841  (read by the SQL below)
-            cols = ", ".join(CALL_COLUMNS)
-            con.execute(f"INSERT INTO calls ({cols}) SELECT {cols} FROM batch_table")
-            con.execute("COMMIT")
-        except Exception:
-            con.execute("ROLLBACK")
-            raise
-        self._seq.update(last)  # only once committed, so a failed batch leaves no gaps
-        if pending:
-            spool.unlink(missing_ok=True)
-        self.batches += 1
-        return seqs[len(pending):]
-
-    def _spool(self, items: list[tuple[dict, dict]]) -> None:
-        with open(spool_path(self.db_path), "ab") as f:
-            for s, r in items:
-                f.write(orjson.dumps({"session": s, "record": _jsonable(r)}) + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
-        self.spooled += len(items)
+            orjson.dumps(value)
+        except orjson.JSONEncodeError:
+            rec[col] = {"polar_unstored": "nested too deeply to store"}
+    return orjson.dumps({"s": entry["s"], "r": rec}) + b"\n"
 
 
-def _read_spool(path: Path) -> list[tuple[dict, dict]]:
-    if not path.exists():
-        return []
-    items = []
-    for line in path.read_bytes().splitlines():
-        try:
-            entry = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            continue  # a torn last line from a crash mid-append was never acknowledged
-        items.append((entry["session"], entry["record"]))
-    return items
+def _loads(line: bytes) -> dict | None:
+    try:
+        entry = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        log.error("polar: skipping an unreadable call log line (%d bytes)", len(line))
+        return None
+    return entry if isinstance(entry, dict) and "s" in entry and "r" in entry else None
 
 
 def _jsonable(record: dict) -> dict:
@@ -196,13 +336,17 @@ def _jsonable(record: dict) -> dict:
     return out
 
 
+def _json_text(value) -> str | None:
+    return None if value is None else orjson.dumps(value).decode()
+
+
 def _to_arrow(rows: list[dict]) -> pa.Table:
     arrays = {}
     for col in CALL_COLUMNS:
         values = [r.get(col) for r in rows]
         if col in JSON_COLUMNS:
             # Python values, encoded here: a raw (non-JSON) body is stored as a JSON string.
-            values = [None if v is None else orjson.dumps(v).decode() for v in values]
+            values = [_json_text(v) for v in values]
         elif col == "started_at":
             values = [datetime.fromtimestamp(v, timezone.utc) if isinstance(v, (int, float)) else v
                       for v in values]

@@ -1,0 +1,139 @@
+"""The proxy's durable call log: append-only segments `<db>.log/NNNNNNNNNNNN.jsonl`, one
+JSON record per line. A call is acknowledged once its line is fsynced here; the loader
+(writer.py) moves lines into DuckDB later, and remembers how far it got inside the same
+transaction, so every acknowledged call lands exactly once whatever crashes when.
+
+A process appends only to a segment it created itself: after a crash the last segment may
+end in a torn line (never acknowledged, since its fsync never returned), which readers of
+the log skip, and nothing is ever appended after it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SEGMENT_BYTES = 32 << 20
+
+
+def log_dir(db_path: str | os.PathLike) -> Path:
+    return Path(f"{db_path}.log")
+
+
+def segment_ids(directory: Path) -> list[int]:
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return sorted(int(n[:-6]) for n in names if n.endswith(".jsonl") and n[:-6].isdigit())
+
+
+def segment_path(directory: Path, seg: int) -> Path:
+    return directory / f"{seg:012d}.jsonl"
+
+
+class Position(tuple):
+    """(segment, byte offset): everything before it is in the database."""
+    __slots__ = ()
+
+    def __new__(cls, seg: int = 0, offset: int = 0):
+        return super().__new__(cls, (seg, offset))
+
+    @property
+    def seg(self) -> int:
+        return self[0]
+
+    @property
+    def offset(self) -> int:
+        return self[1]
+
+    def encode(self) -> str:
+        return f"{self.seg}:{self.offset}"
+
+    @classmethod
+    def decode(cls, text: str | None) -> "Position":
+        if not text:
+            return cls()
+        seg, _, off = text.partition(":")
+        return cls(int(seg), int(off))
+
+
+class LogAppender:
+    """Appends batches of lines to a fresh segment of its own, fsync per batch."""
+
+    def __init__(self, directory: Path, after: int = 0):
+        self.dir = directory
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.seg = max(segment_ids(directory) + [after]) + 1
+        self._f = None
+        self._size = 0
+        self._open()
+
+    def _open(self) -> None:
+        if self._f:
+            self._f.close()
+        path = segment_path(self.dir, self.seg)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._f = os.fdopen(fd, "ab", buffering=0)
+        self._size = 0
+        dfd = os.open(self.dir, os.O_RDONLY)   # make the new file's name durable too
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def append(self, data: bytes) -> None:
+        if self._size and self._size + len(data) > SEGMENT_BYTES:
+            self.seg += 1
+            self._open()
+        view = memoryview(data)
+        while view:
+            n = self._f.write(view)
+            view = view[n:]
+        os.fsync(self._f.fileno())
+        self._size += len(data)
+
+    def close(self) -> None:
+        if self._f:
+            self._f.close()
+            self._f = None
+
+
+def read_lines(directory: Path, start: Position, max_bytes: int = 64 << 20,
+               ) -> tuple[list[bytes], Position]:
+    """Complete lines from `start` on, up to about max_bytes; returns them and the position
+    after the last one. A torn last line of a segment that a newer segment follows was
+    never acknowledged and is skipped."""
+    lines: list[bytes] = []
+    pos = start
+    taken = 0
+    ids = [s for s in segment_ids(directory) if s >= start.seg]
+    for i, seg in enumerate(ids):
+        offset = start.offset if seg == start.seg else 0
+        try:
+            with open(segment_path(directory, seg), "rb") as f:
+                f.seek(offset)
+                data = f.read(max(max_bytes - taken, 1 << 20))
+                at_eof = f.tell() >= os.fstat(f.fileno()).st_size
+        except FileNotFoundError:
+            continue
+        end = data.rfind(b"\n") + 1
+        lines += [line for line in data[:end].split(b"\n") if line]
+        taken += end
+        pos = Position(seg, offset + end)
+        if not at_eof or taken >= max_bytes:
+            break
+        if i + 1 < len(ids):
+            # Only the newest segment is ever appended to, so an older one is finished: a
+            # partial line at its end is torn by a crash, and was never acknowledged.
+            pos = Position(ids[i + 1], 0)
+    return lines, pos
+
+
+def drop_loaded(directory: Path, position: Position, keep_from: int) -> None:
+    """Delete segments wholly before `position` and older than the appender's `keep_from`."""
+    for seg in segment_ids(directory):
+        if seg < position.seg and seg < keep_from:
+            try:
+                os.unlink(segment_path(directory, seg))
+            except FileNotFoundError:
+                pass

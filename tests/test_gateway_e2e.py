@@ -17,7 +17,7 @@ import pytest
 from google import genai
 from google.genai import types
 
-from polar_mitm import launch
+from polar_mitm import adapters, launch
 from polar_mitm.models import default_model_dir
 from polar_mitm.store import query
 
@@ -98,7 +98,7 @@ def test_every_sdk_through_the_proxy_is_recorded_token_faithfully(proxy, tokeniz
     monkeypatch.delenv("HTTPS_PROXY", raising=False)
     cols, rows = query(proxy.db, """
         SELECT style, stream, requested_model, session_id, status_code, prompt_token_ids, token_ids,
-               logprobs, backend_request_json, response_json, finish_reason, policy_version
+               logprobs, path, request_text, backend_params, response_json, finish_reason, policy_version
         FROM calls ORDER BY created_at, seq""")
     info = httpx.get(proxy.backend + "/weight_info", trust_env=False)
     weight_version = info.json()["weight_version"] if info.status_code == 200 else None
@@ -111,7 +111,8 @@ def test_every_sdk_through_the_proxy_is_recorded_token_faithfully(proxy, tokeniz
         assert r["session_id"] == expected_session
         assert r["prompt_token_ids"] and r["token_ids"]
         assert len(r["logprobs"]) == len(r["token_ids"]) and all(lp <= 0 for lp in r["logprobs"])
-        backend_req = json.loads(r["backend_request_json"])
+        backend_req = adapters.backend_request(r["style"], r["path"], r["request_text"],
+                                               json.loads(r["backend_params"]))
         prompt = tokenizer.apply_chat_template(backend_req["messages"], tools=backend_req.get("tools"),
                                                chat_template=template, add_generation_prompt=True,
                                                tokenize=False)
@@ -201,9 +202,10 @@ def test_tool_conversation_renders_and_decodes(proxy, tokenizer):
                                              "content": "18C and sunny", "is_error": False}]}]
     m = an.messages.create(model="claude", max_tokens=MAX, tools=tools, messages=history)
     assert m.stop_reason in ("end_turn", "max_tokens", "tool_use")
-    cols, rows = query(proxy.db, "SELECT prompt_token_ids, backend_request_json, status_code FROM calls")
-    ids, backend_req, status = rows[0]
-    backend_req = json.loads(backend_req)
+    cols, rows = query(proxy.db, "SELECT prompt_token_ids, style, path, request_text, backend_params, "
+                                 "status_code FROM calls")
+    ids, style, path, text, params, status = rows[0]
+    backend_req = adapters.backend_request(style, path, text, json.loads(params))
     assert status == 200 and backend_req["tools"][0]["function"]["name"] == "get_weather"
     prompt = tokenizer.decode(ids)
     assert '"name": "get_weather"' in prompt  # the tool list reached the model
@@ -250,6 +252,6 @@ def test_gemini_router_call_gets_schema_shaped_json(proxy):
     if candidate["finishReason"] == "STOP":  # a cut-off answer cannot be whole JSON
         answer = json.loads(candidate["content"]["parts"][0]["text"])
         assert isinstance(answer["complexity_score"], int)
-    backend_req = json.loads(query(proxy.db, "SELECT backend_request_json FROM calls")[1][0][0])
+    backend_req = json.loads(query(proxy.db, "SELECT backend_params FROM calls")[1][0][0])
     assert backend_req["response_format"]["json_schema"]["schema"]["properties"]["complexity_score"] == {"type": "integer"}
 

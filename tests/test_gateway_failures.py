@@ -109,9 +109,9 @@ def test_malformed_request_is_provider_400_and_recorded(start_proxy):
                        headers={"authorization": "Bearer polar-bad~2"}, trust_env=False)
         assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
         assert fake.bodies == []  # nothing reached the backend
-    rows = query(proxy.db, "SELECT session_id, status_code, error_kind, request_json FROM calls ORDER BY session_id")[1]
+    rows = query(proxy.db, "SELECT session_id, status_code, error_kind, request_text FROM calls ORDER BY session_id")[1]
     assert [(r[0], r[1], r[2]) for r in rows] == [("bad~1", 400, "invalid_request"), ("bad~2", 400, "invalid_request")]
-    assert rows[0][3] == '"{not json"'  # the raw body is kept
+    assert rows[0][3] == '{not json'  # the raw body is kept
 
 
 def test_non_model_traffic_answered_locally(start_proxy):
@@ -264,9 +264,9 @@ def test_compressed_bomb_is_a_413_in_bounded_memory(start_proxy, coding):
         assert elapsed < 5, elapsed
         assert grew < 100, f"mitmdump's peak memory grew {grew:.0f} MB"
         assert fake.bodies == []
-    rows = query(proxy.db, "SELECT session_id, status_code, error_kind, request_json FROM calls")[1]
+    rows = query(proxy.db, "SELECT session_id, status_code, error_kind, request_text FROM calls")[1]
     assert [r[:3] for r in rows] == [("bomb~1", 413, "too_large")]
-    assert rows[0][3].startswith('"<request body not kept')   # the bomb itself is not stored
+    assert rows[0][3].startswith('<request body not kept')   # the bomb itself is not stored
 
 
 def test_compressed_request_within_the_limit_is_served(start_proxy):
@@ -311,3 +311,63 @@ def test_max_body_is_validated():
         assert gw.max_body == 2 << 20 and tctx.options.body_size_limit == str(2 << 20)
         with pytest.raises(exceptions.OptionsError, match="polar_max_body"):
             tctx.configure(gw, polar_max_body="lots")
+
+
+def test_a_deep_body_is_a_400_and_fails_no_other_call(start_proxy):
+    """A body nested 300 levels deep (orjson writes 254) used to kill the writer thread,
+    fail the other sessions' calls of its batch with 503, and get a retryable 503 itself."""
+    import concurrent.futures
+
+    deep = b'{"model": "m", "messages": [{"role": "user", "content": ' + b"[" * 300 + b"]" * 300 + b"}]}"
+    with FakeVLLM() as fake:
+        proxy = start_proxy(fake.url)
+
+        def send(i):
+            body = orjson.dumps({"model": "m", "messages": MSG}) if i != 3 else deep
+            return httpx.post(proxy.base_url + "/v1/chat/completions", content=body,
+                              headers={"authorization": f"Bearer polar-deep~{i}",
+                                       "content-type": "application/json"},
+                              trust_env=False, timeout=30).status_code
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            statuses = list(pool.map(send, range(48)))
+        assert statuses[3] == 400 and statuses.count(200) == 47
+        assert send(99) == 200                         # the writer is alive
+    rows = query(proxy.db, "SELECT session_id, status_code, length(request_text) FROM calls")[1]
+    assert len(rows) == 49
+    assert {r[1] for r in rows if r[0] == "deep~3"} == {400}
+    assert [r[2] for r in rows if r[0] == "deep~3"][0] > 300   # its body is kept as sent
+
+
+def test_a_query_key_never_reaches_the_log(start_proxy):
+    """mitmdump prints every flow's URL: Google's ?key= used to show there."""
+    with FakeVLLM() as fake:
+        proxy = start_proxy(fake.url)
+        r = httpx.post(proxy.base_url + "/v1beta/models/gemini-2.5-flash:generateContent?key=polar-logkey~1&alt=json",
+                       json={"contents": [{"role": "user", "parts": [{"text": "hi"}]}]},
+                       trust_env=False, timeout=30)
+        assert r.status_code == 200, r.text
+        httpx.get(proxy.base_url + "/v1beta/models?key=sk-secretvalue", trust_env=False, timeout=30)
+    proxy.stop()
+    log_text = Path(proxy.log).read_text()
+    assert "gemini-2.5-flash" in log_text and "/v1beta/models" in log_text   # flows are logged
+    assert "logkey" not in log_text and "polar-lo" not in log_text and "sk-secr" not in log_text
+    assert query(proxy.db, "SELECT session_id, path FROM calls")[1] == [
+        ("logkey~1", "/v1beta/models/gemini-2.5-flash:generateContent?alt=json")]
+
+
+def test_a_rejected_huge_body_barely_grows_the_database(start_proxy):
+    """A rejected 20 MB request used to add 46 MB to the file."""
+    with FakeVLLM() as fake:
+        proxy = start_proxy(fake.url)
+        h = {"authorization": "Bearer polar-huge~1", "content-type": "application/json"}
+        url = proxy.base_url + "/v1/chat/completions"
+        assert httpx.post(url, json={"model": "m", "messages": MSG}, headers=h, trust_env=False).status_code == 200
+        query(proxy.db, "SELECT 1")   # loaded and checkpointed
+        before = sum(p.stat().st_size for p in proxy.db.parent.glob(proxy.db.name + "*") if p.is_file())
+        huge = orjson.dumps({"model": "m", "messages": "x" * (20 << 20)})
+        r = httpx.post(url, content=huge, headers=h, trust_env=False, timeout=60)
+        assert r.status_code == 400
+        assert query(proxy.db, "SELECT count(*), max(length(request_text)) FROM calls")[1][0][1] < 1.1 * (1 << 20)
+        after = sum(p.stat().st_size for p in proxy.db.parent.glob(proxy.db.name + "*") if p.is_file())
+    assert after - before < 4 << 20, f"the file grew {(after - before) >> 20} MB"

@@ -20,7 +20,7 @@ SESSION = {"session_id": "task-a~1", "task_id": "task-a", "source": "api_key"}
 
 def record(i, **kw):
     return {"call_id": f"c{i}", "style": "openai_chat", "prompt_token_ids": [1, 2, 3],
-            "token_ids": [4, 5], "logprobs": [-0.5, -0.25], "request_json": {"i": i},
+            "token_ids": [4, 5], "logprobs": [-0.5, -0.25], "request_text": f'{{"i":{i}}}',
             "started_at": time.time(), "dropped": ["store"], "status_code": 200} | kw
 
 
@@ -123,12 +123,12 @@ def test_a_deeply_nested_body_fails_nothing_else(tmp_path):
     deep = {"a": 1}
     for _ in range(300):
         deep = {"x": [deep]}
-    futures = [w.submit({"session_id": f"s{i}"}, record(i, request_json=deep if i == 3 else {"i": i}))
+    futures = [w.submit({"session_id": f"s{i}"}, record(i, response_json=deep if i == 3 else {"i": i}))
                for i in range(8)]
     assert [f.result(10) for f in futures] == [1] * 8
     assert w.submit(SESSION, record(99)).result(10) == 1      # the writer is alive
     w.close()
-    rows = dict(query(db, "SELECT call_id, request_json FROM calls")[1])
+    rows = dict(query(db, "SELECT call_id, response_json FROM calls")[1])
     assert len(rows) == 9 and "nested too deeply" in rows["c3"]
 
 
@@ -150,6 +150,32 @@ def test_a_cancelled_waiter_does_not_stop_the_writer(tmp_path):
     assert w.submit(SESSION, record(9)).result(10) == 4
     w.close()
     assert query(db, "SELECT count(*) FROM calls")[1] == [(4,)]
+
+
+def test_total_ms_covers_the_durable_append_and_queue_ms_the_wait_for_it(tmp_path):
+    """total_ms used to be taken before the commit the harness waited for, and queue_ms
+    was 0 unless a backend slot limit was set."""
+    db = tmp_path / "a.duckdb"
+    w = CallWriter(db).start()
+    append = w._log.append
+
+    def slow_append(data):             # a slow disk: each fsync takes 0.25 s
+        time.sleep(0.25)
+        append(data)
+
+    w._log.append = slow_append
+    first = w.submit(SESSION, record(0, _t0=time.perf_counter()))
+    time.sleep(0.05)                   # the second waits for the first's append to finish
+    t0 = time.perf_counter()
+    second = w.submit(SESSION, record(1, _t0=t0))
+    second.result(10)
+    waited = (time.perf_counter() - t0) * 1000
+    first.result(10)
+    w.close()
+    rows = dict((r[0], r[1:]) for r in query(db, "SELECT call_id, total_ms, queue_ms FROM calls")[1])
+    assert rows["c0"][0] >= 250                       # the fsync is inside total_ms
+    assert waited - 30 <= rows["c1"][0] <= waited     # what the caller really waited
+    assert rows["c1"][1] >= 150                       # most of it queued behind the first
 
 
 def test_a_log_segment_left_after_loading_is_not_loaded_twice(tmp_path):

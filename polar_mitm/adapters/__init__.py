@@ -20,6 +20,17 @@ def adapter(style: str) -> ModuleType:
     return ADAPTERS[style]
 
 
+def backend_request(style: str, path: str, request_text: str, backend_params: dict) -> dict:
+    """The body vLLM got for a recorded call, rebuilt from what the store keeps: the
+    harness's request text (adapted again, purely) and the stored non-message params."""
+    import orjson
+
+    from .backend import to_backend
+    normalized = adapter(style).to_chat(orjson.loads(request_text), path)
+    rebuilt = to_backend(normalized, backend_params.get("model", ""))
+    return {**backend_params, **{k: rebuilt[k] for k in ("messages", "tools") if k in rebuilt}}
+
+
 def stream_content_type(request: dict) -> str:
     # Google without alt=sse streams one JSON array instead of SSE.
     if request["style"] == "google" and not request["provider"].get("alt_sse"):
@@ -28,4 +39,4 @@ def stream_content_type(request: dict) -> str:
 
 
 __all__ = ["ADAPTERS", "AdapterError", "MalformedRequest", "UnsupportedContent", "STYLES",
-           "adapter", "detect", "stream_content_type"]
+           "adapter", "backend_request", "detect", "stream_content_type"]

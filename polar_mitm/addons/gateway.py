@@ -81,6 +81,8 @@ class PolarGateway:
     # ---- lifecycle ---------------------------------------------------------------------
 
     def load(self, loader):
+        # httpx logs every backend request at INFO: noise in mitmdump's log, and CPU under load.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
         loader.add_option("polar_db", str, "rollouts.duckdb", "DuckDB file the calls are written to.")
         loader.add_option("polar_backend", str, "http://127.0.0.1:8000",
                           "Base URL of the vLLM OpenAI-compatible server.")
@@ -246,13 +248,18 @@ class PolarGateway:
                 flow.response = http.Response.make(  # Python's text stays in the log
                     500, orjson.dumps({"error": {"message": "polar-mitm internal error",
                                                  "type": "api_error"}}), _JSON)
+        finally:
+            # mitmdump prints the URL of every flow: a ?key= secret must not reach its log.
+            flow.request.path = sessions.redact_query(flow.request.path)
 
     async def _route(self, flow: http.HTTPFlow):
         req = flow.request
-        body = None
+        body, text = None, None
         if req.method == "POST":
             try:
-                body = orjson.loads(_decoded_body(req, self.max_body) or b"null")
+                raw = _decoded_body(req, self.max_body) or b"null"
+                text = raw.decode("utf-8", errors="replace")
+                body = orjson.loads(raw)
             except AdapterError as e:  # too large or undecodable: answered as a failed call
                 body = e
             except orjson.JSONDecodeError:
@@ -261,22 +268,23 @@ class PolarGateway:
         if self._may_be_model_call(req) and not is_count_tokens(req.path):
             style = adapters.detect(req.method, req.path, dict(req.headers), body)
         if style and not _is_websocket(req):
-            await self._model_call(flow, style, body)
+            await self._model_call(flow, style, body, text)
         else:
             await self._local_answer(flow, body)
 
     # ---- model calls -------------------------------------------------------------------
 
-    async def _model_call(self, flow: http.HTTPFlow, style: str, body):
+    async def _model_call(self, flow: http.HTTPFlow, style: str, body, text: str | None = None):
         t0 = time.perf_counter()
         mod = adapters.adapter(style)
         req = flow.request
         session = self._session(flow, split_path(req.path)[1])
         record = {"call_id": str(uuid.uuid4()), "style": style, "method": req.method,
                   "path": sessions.redact_query(req.path), "started_at": time.time(),
-                  "request_json": (f"<request body not kept: {body}>" if isinstance(body, AdapterError)
-                                   else body if body is not None and _depth_ok(body)
-                                   else _raw_text(req)),
+                  # The harness's bytes as sent: the conversation is stored once, and its
+                  # normalized form is what the pure adapters make of it.
+                  "request_text": (f"<request body not kept: {body}>" if isinstance(body, AdapterError)
+                                   else text if text is not None else ""),
                   "queue_ms": 0.0, "backend_ms": 0.0}
         try:
             status, content, headers = await self._serve(mod, body, req.path, record)
@@ -293,6 +301,8 @@ class PolarGateway:
             content, headers = orjson.dumps(answer), dict(_JSON)
             record.update(status_code=status, response_json=answer, error=str(e)[:2000] or repr(e),
                           error_kind=kind)
+            if "prompt_token_ids" not in record:   # rejected before any tokens: keep a bounded head
+                record["request_text"] = _bounded(record["request_text"])
         record["_t0"] = t0   # the writer stamps total_ms at the durable append the harness waits for
         try:
             await asyncio.wrap_future(self._ensure_writer().submit(session, record))
@@ -318,7 +328,9 @@ class PolarGateway:
         served = await self._served()
         backend_body = backend.to_backend(normalized, served, self.overrides, self._max_model_len)
         await self._fit_max_tokens(backend_body)
-        record.update(served_model=served, backend_request_json=backend_body)
+        # What vLLM got besides the conversation (sampling, max_tokens as fitted, template flags).
+        record.update(served_model=served, backend_params={
+            k: v for k, v in backend_body.items() if k not in ("messages", "tools")})
         q0 = time.perf_counter()
         if self._slots:
             await self._slots.acquire()
@@ -583,8 +595,15 @@ def _inflate(data: bytes, coding: str, limit: int) -> bytes:
     return bytes(out)
 
 
-def _raw_text(req: http.Request) -> str:
-    return (req.get_content(strict=False) or b"")[:100_000].decode(errors="replace")
+REJECTED_TEXT_CHARS = 1 << 20
+
+
+def _bounded(text: str) -> str:
+    """A call rejected before the model saw it keeps the first MiB of its body: enough to
+    see what was wrong, while a huge bad body cannot grow the database by its size."""
+    if len(text) <= REJECTED_TEXT_CHARS:
+        return text
+    return text[:REJECTED_TEXT_CHARS] + f"\n<{len(text) - REJECTED_TEXT_CHARS} more characters not kept>"
 
 
 addons = [PolarGateway()]

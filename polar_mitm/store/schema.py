@@ -70,14 +70,123 @@ MIGRATIONS: list[str] = [
         SELECT session_id, seq, style, path, status_code, error_kind, error, total_ms, created_at
         FROM calls WHERE error IS NOT NULL ORDER BY created_at;
     """,
+    # 2: each conversation stored once. call_records keeps the harness's request text and
+    # the prompt token ids as deltas against an earlier call of the session (delta.py);
+    # the calls view rebuilds both whole. Old rows are kept whole.
+    """
+    DROP VIEW failures; DROP VIEW task_groups; DROP VIEW session_summary; DROP VIEW session_turns;
+    CREATE TABLE call_records (
+        call_id              VARCHAR PRIMARY KEY,
+        session_id           VARCHAR NOT NULL,
+        seq                  INTEGER NOT NULL,
+        style                VARCHAR,
+        method               VARCHAR,
+        path                 VARCHAR,
+        stream               BOOLEAN,
+        requested_model      VARCHAR,
+        served_model         VARCHAR,
+        status_code          INTEGER,
+        base_call            VARCHAR,      -- the call both deltas below are against (NULL: whole)
+        request_prefix       INTEGER,      -- characters kept from the start of the base's text
+        request_suffix       INTEGER,      -- characters kept from its end
+        request_middle       VARCHAR,      -- what is new in between
+        request_chars        INTEGER,      -- length of the whole request text
+        backend_params       JSON,         -- what vLLM got, but messages and tools
+        response_json        JSON,
+        prompt_shared        INTEGER,      -- ids kept from the base's prompt + token ids
+        prompt_suffix        INTEGER[],    -- ids after them (NULL: no prompt ids)
+        prompt_len           INTEGER,
+        token_ids            INTEGER[],
+        logprobs             FLOAT[],
+        finish_reason        VARCHAR,
+        prompt_tokens        INTEGER,
+        completion_tokens    INTEGER,
+        usage_json           JSON,
+        queue_ms             DOUBLE,
+        backend_ms           DOUBLE,
+        total_ms             DOUBLE,
+        error                VARCHAR,
+        error_kind           VARCHAR,
+        policy_version       VARCHAR,
+        dropped              VARCHAR[],
+        started_at           TIMESTAMPTZ,
+        created_at           TIMESTAMPTZ DEFAULT now()
+    );
+    INSERT INTO call_records
+        SELECT call_id, session_id, seq, style, method, path, stream, requested_model,
+               served_model, status_code, NULL, 0, 0,
+               CASE WHEN json_type(request_json) = 'VARCHAR' THEN request_json->>'$'
+                    ELSE request_json::VARCHAR END,
+               NULL, backend_request_json, response_json, 0, prompt_token_ids,
+               len(prompt_token_ids), token_ids, logprobs, finish_reason, prompt_tokens,
+               completion_tokens, usage_json, queue_ms, backend_ms, total_ms, error,
+               error_kind, policy_version, dropped, started_at, created_at
+        FROM calls;
+    UPDATE call_records SET request_chars = length(request_middle);
+    DROP TABLE calls;
+    CREATE VIEW calls AS
+        WITH RECURSIVE whole(call_id, request_text, prompt_token_ids, token_ids) AS (
+            SELECT call_id, request_middle, prompt_suffix, token_ids
+            FROM call_records WHERE base_call IS NULL
+            UNION ALL
+            SELECT c.call_id,
+                   left(w.request_text, c.request_prefix) || c.request_middle
+                       || right(w.request_text, c.request_suffix),
+                   CASE WHEN c.prompt_suffix IS NOT NULL THEN
+                       list_concat(coalesce(w.prompt_token_ids, []), coalesce(w.token_ids, []))[1:c.prompt_shared]
+                       || c.prompt_suffix END,
+                   c.token_ids
+            FROM call_records c JOIN whole w ON c.base_call = w.call_id
+        )
+        SELECT c.call_id, c.session_id, c.seq, c.style, c.method, c.path, c.stream,
+               c.requested_model, c.served_model, c.status_code,
+               w.request_text,
+               CASE WHEN json_valid(w.request_text) THEN w.request_text::JSON END AS request_json,
+               c.backend_params, c.response_json, w.prompt_token_ids, c.token_ids, c.logprobs,
+               c.finish_reason, c.prompt_tokens, c.completion_tokens, c.usage_json, c.queue_ms,
+               c.backend_ms, c.total_ms, c.error, c.error_kind, c.policy_version, c.dropped,
+               c.started_at, c.created_at
+        FROM call_records c JOIN whole w USING (call_id);
+    CREATE VIEW session_turns AS
+        SELECT session_id, seq, style, requested_model, served_model, finish_reason,
+               prompt_len, len(token_ids) AS completion_len,
+               status_code, error_kind, total_ms, created_at
+        FROM call_records ORDER BY session_id, seq;
+    CREATE VIEW session_summary AS
+        SELECT s.session_id, s.task_id, s.source, s.reward, count(c.call_id) AS calls,
+               count(c.error) AS failed_calls,
+               sum(c.prompt_len) AS prompt_tokens,
+               sum(len(c.token_ids)) AS completion_tokens,
+               min(c.created_at) AS first_call, max(c.created_at) AS last_call
+        FROM sessions s LEFT JOIN call_records c USING (session_id)
+        GROUP BY ALL ORDER BY s.session_id;
+    CREATE VIEW task_groups AS
+        SELECT task_id, count(*) AS sessions, count(reward) AS rewarded,
+               avg(reward) AS mean_reward, stddev_pop(reward) AS reward_std,
+               sum(calls) AS calls
+        FROM session_summary WHERE task_id IS NOT NULL
+        GROUP BY task_id ORDER BY task_id;
+    CREATE VIEW failures AS
+        SELECT session_id, seq, style, path, status_code, error_kind, error, total_ms, created_at
+        FROM call_records WHERE error IS NOT NULL ORDER BY created_at;
+    """,
 ]
 
-CALL_COLUMNS = [
-    "call_id", "session_id", "seq", "style", "method", "path", "stream", "requested_model",
-    "served_model", "status_code", "request_json", "normalized_json", "backend_request_json",
-    "response_json", "prompt_token_ids", "token_ids", "logprobs", "finish_reason",
-    "prompt_tokens", "completion_tokens", "usage_json", "queue_ms", "backend_ms", "total_ms",
-    "error", "error_kind", "policy_version", "dropped", "started_at",
+# What the gateway hands the writer per call (besides session_id and seq, assigned there).
+RECORD_FIELDS = [
+    "call_id", "style", "method", "path", "stream", "requested_model", "served_model",
+    "status_code", "request_text", "backend_params", "response_json", "prompt_token_ids",
+    "token_ids", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens",
+    "usage_json", "queue_ms", "backend_ms", "total_ms", "error", "error_kind",
+    "policy_version", "dropped", "started_at",
 ]
-JSON_COLUMNS = {"request_json", "normalized_json", "backend_request_json", "response_json",
-                "usage_json"}
+# What the loader writes to call_records.
+RECORD_COLUMNS = [
+    "call_id", "session_id", "seq", "style", "method", "path", "stream", "requested_model",
+    "served_model", "status_code", "base_call", "request_prefix", "request_suffix",
+    "request_middle", "request_chars", "backend_params", "response_json", "prompt_shared",
+    "prompt_suffix", "prompt_len", "token_ids", "logprobs", "finish_reason", "prompt_tokens",
+    "completion_tokens", "usage_json", "queue_ms", "backend_ms", "total_ms", "error",
+    "error_kind", "policy_version", "dropped", "started_at", "created_at",
+]
+JSON_COLUMNS = {"backend_params", "response_json", "usage_json"}

@@ -13,8 +13,9 @@ from typing import Iterable, TypedDict
 import orjson
 
 from .db import reading, writing
+from .delta import apply_ids
 
-SKIP_REASONS = ("failed", "no_token_ids", "logprobs_mismatch", "no_reward")
+SKIP_REASONS = ("failed", "no_token_ids", "logprobs_mismatch", "no_reward", "missing_base")
 
 
 class TrainingCall(TypedDict):
@@ -38,11 +39,13 @@ class TrainingData:
     sessions: int = 0                                   # sessions with at least one kept call
 
 
+# The stored rows, not the calls view: prompt ids are rebuilt here from their deltas
+# (delta.apply_ids), a session at a time, which is much cheaper than the view's recursion.
 _SQL = """
-SELECT c.session_id, s.task_id, c.seq, c.prompt_token_ids,
-       c.token_ids, c.logprobs, c.finish_reason, c.policy_version, s.reward,
+SELECT c.session_id, s.task_id, c.seq, c.call_id, c.base_call, c.prompt_shared,
+       c.prompt_suffix, c.token_ids, c.logprobs, c.finish_reason, c.policy_version, s.reward,
        c.error IS NOT NULL OR coalesce(c.status_code, 200) >= 400 AS failed
-FROM calls c LEFT JOIN sessions s USING (session_id)
+FROM call_records c LEFT JOIN sessions s USING (session_id)
 WHERE {where}
 ORDER BY c.session_id, c.seq
 """
@@ -70,8 +73,23 @@ def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None 
             raise FileNotFoundError(f"no database at {path}")
         with reading(path, timeout) as con:
             rows = con.execute(sql, params).fetchall()
-        for (session_id, task_id, seq, prompt, tokens, logprobs, finish, version, reward,
-             failed) in rows:
+        ids: dict[str, tuple[list[int] | None, list[int]]] = {}   # call_id -> (prompt, tokens)
+        current = None
+        for (session_id, task_id, seq, call_id, base, shared, suffix, tokens, logprobs, finish,
+             version, reward, failed) in rows:
+            if current != session_id:   # bases are always earlier calls of the same session
+                ids, current = {}, session_id
+            prompt = None
+            if suffix is not None:
+                if base is None:
+                    prompt = suffix
+                elif base in ids:
+                    base_prompt, base_tokens = ids[base]
+                    prompt = apply_ids(base_prompt or [], base_tokens, shared, suffix)
+                else:
+                    out.skipped["missing_base"] += 1
+                    continue
+            ids[call_id] = (prompt, tokens or [])
             if failed:
                 out.skipped["failed"] += 1
                 continue

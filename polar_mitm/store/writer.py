@@ -30,17 +30,20 @@ import pyarrow as pa
 from .calllog import LogAppender, Position, drop_loaded, log_dir, read_lines
 from .db import (LOADER_FILE, READY_SUFFIX, StoreBusy, connect, init_db, pending_requests,
                  readers_dir, writing)
-from .schema import CALL_COLUMNS, JSON_COLUMNS
+from .delta import DeltaCache
+from .schema import JSON_COLUMNS, RECORD_COLUMNS
 
 log = logging.getLogger("polar")
 
 _ARROW_TYPES = {
     "seq": pa.int32(), "stream": pa.bool_(), "status_code": pa.int32(),
-    "prompt_token_ids": pa.list_(pa.int32()), "token_ids": pa.list_(pa.int32()),
+    "request_prefix": pa.int32(), "request_suffix": pa.int32(), "request_chars": pa.int32(),
+    "prompt_shared": pa.int32(), "prompt_len": pa.int32(),
+    "prompt_suffix": pa.list_(pa.int32()), "token_ids": pa.list_(pa.int32()),
     "logprobs": pa.list_(pa.float32()), "prompt_tokens": pa.int32(),
     "completion_tokens": pa.int32(), "queue_ms": pa.float64(), "backend_ms": pa.float64(),
     "total_ms": pa.float64(), "dropped": pa.list_(pa.string()),
-    "started_at": pa.timestamp("us", tz="UTC"),
+    "started_at": pa.timestamp("us", tz="UTC"), "created_at": pa.timestamp("us", tz="UTC"),
 }
 _SESSION_COLUMNS = ("session_id", "task_id", "source", "client", "user_agent")
 _STOP = object()
@@ -61,6 +64,8 @@ class CallWriter:
         self._position = Position()
         self._appended = 0                 # lines appended but maybe not loaded yet
         self._loaded_upto = 0
+        self._deltas = DeltaCache()       # the loader's recent calls per session
+        self._ack_ms: dict[str, float] = {}   # call_id -> total_ms at its durable append
         self._stopping = threading.Event()
         self._wake = threading.Event()
         self._log_thread = threading.Thread(target=self._run_log, name="polar-log", daemon=True)
@@ -77,7 +82,7 @@ class CallWriter:
         with writing(self.db_path, timeout=max(self.lock_timeout, 30)) as con:
             row = con.execute("SELECT value FROM meta WHERE key = ?", [POSITION_KEY]).fetchone()
             self._position = Position.decode(row[0] if row else None)
-            self._seq = dict(con.execute("SELECT session_id, max(seq) FROM calls GROUP BY 1").fetchall())
+            self._seq = dict(con.execute("SELECT session_id, max(seq) FROM call_records GROUP BY 1").fetchall())
         # Lines a previous run acknowledged but did not load yet count for the numbering.
         pos = self._position
         while True:
@@ -151,7 +156,7 @@ class CallWriter:
 
     def _append(self, batch: list) -> None:
         lines, done = [], []
-        now = time.perf_counter()
+        now, wall = time.perf_counter(), time.time()
         for session, record, fut, queued in batch:
             if fut.done():            # its waiter went away (cancelled): nothing to record
                 continue
@@ -159,10 +164,11 @@ class CallWriter:
             seq = self._seq.get(sid, 0) + 1
             rec = dict(record)
             t0 = rec.pop("_t0", None)
-            if t0 is not None:        # what the harness waits for, up to this durable append
+            if t0 is not None:        # until this batch's write; the fsync is added below
                 rec["total_ms"] = (now - t0) * 1000
             rec["queue_ms"] = (rec.get("queue_ms") or 0.0) + (now - queued) * 1000
             rec["seq"] = seq
+            rec["created_at"] = wall     # recorded: when the call is acknowledged
             try:
                 line = _dumps({"s": session, "r": _jsonable(rec)})
             except Exception as e:
@@ -170,14 +176,19 @@ class CallWriter:
                 continue
             self._seq[sid] = seq
             lines.append(line)
-            done.append((fut, seq))
+            done.append((fut, seq, rec.get("call_id"), t0))
         if not lines:
             return
         # On failure (disk full) the batch's futures fail; the numbers it took leave a gap.
         self._log.append(b"".join(lines))
         self.batches += 1
         self._appended += len(lines)
-        for fut, seq in done:
+        acked = time.perf_counter()
+        if len(self._ack_ms) > 100_000:   # stamps of lines the loader read before their fsync
+            self._ack_ms.clear()
+        for fut, seq, call_id, t0 in done:
+            if t0 is not None and call_id:   # what the harness waited for, fsync included
+                self._ack_ms[call_id] = (acked - t0) * 1000
             _resolve(fut, result=seq)
 
     # ---- the loader thread ---------------------------------------------------------------
@@ -231,7 +242,10 @@ class CallWriter:
     def _load(self, lines: list[bytes], nxt: Position, timeout: float) -> None:
         con = connect(self.db_path, timeout=timeout)
         try:
-            load_lines(con, lines, nxt)
+            load_lines(con, lines, nxt, self._deltas, self._ack_ms)
+        except BaseException:
+            self._deltas = DeltaCache()   # it may name calls that were rolled back
+            raise
         finally:
             con.close()   # hand the file to readers at once
         self._position = nxt
@@ -239,23 +253,31 @@ class CallWriter:
         drop_loaded(log_dir(self.db_path), nxt, keep_from=self._log.seg if self._log else nxt.seg)
 
 
-def load_lines(con, lines: list[bytes], nxt: Position) -> None:
-    """One transaction: the calls of these log lines (each once: call_id is the key) and
-    the log position after them."""
+def load_lines(con, lines: list[bytes], nxt: Position, deltas: DeltaCache | None = None,
+               ack_ms: dict[str, float] | None = None) -> None:
+    """One transaction: the calls of these log lines (each once: call_id is the key), each
+    stored as a delta against a call of its session in `deltas`, and the log position after
+    them. `ack_ms` has the total_ms of calls this process acknowledged (taken once used)."""
     entries = [e for e in map(_loads, lines) if e]
     sessions = {}
     for e in entries:
         sessions.setdefault(e["s"]["session_id"], e["s"])
-    cols = ", ".join(CALL_COLUMNS)
+    deltas = deltas if deltas is not None else DeltaCache(budget=0)
+    rows = [_stored_row(e, deltas) for e in entries]
+    for row in rows:
+        if ack_ms and row.get("call_id") in ack_ms:
+            row["total_ms"] = ack_ms.pop(row["call_id"])
+    cols = ", ".join(RECORD_COLUMNS)
     con.execute("BEGIN")
     try:
         if entries:
             con.register("session_table", pa.table(
                 {c: pa.array([s.get(c) for s in sessions.values()], type=pa.string()) for c in _SESSION_COLUMNS}))
-            con.register("call_table", _to_arrow([e["r"] | {"session_id": e["s"]["session_id"]} for e in entries]))
+            con.register("call_table", _to_arrow(rows))
             con.execute("INSERT INTO sessions (session_id, task_id, source, client, user_agent) "
                         "SELECT * FROM session_table ON CONFLICT DO NOTHING")
-            con.execute(f"INSERT INTO calls ({cols}) SELECT {cols} FROM call_table ON CONFLICT DO NOTHING")
+            con.execute(f"INSERT INTO call_records ({cols}) SELECT {cols} FROM call_table "
+                        "ON CONFLICT DO NOTHING")
         con.execute("INSERT INTO meta VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
                     [POSITION_KEY, nxt.encode()])
         con.execute("COMMIT")
@@ -268,6 +290,23 @@ def load_lines(con, lines: list[bytes], nxt: Position) -> None:
                 con.unregister(name)
             except Exception:
                 pass
+
+
+def _stored_row(entry: dict, deltas: DeltaCache) -> dict:
+    """A log record as call_records stores it: request text and prompt ids as deltas."""
+    rec, sid = entry["r"], entry["s"]["session_id"]
+    text = rec.get("request_text")
+    text = text if isinstance(text, str) else ""
+    prompt = rec.get("prompt_token_ids")
+    prompt = prompt if isinstance(prompt, list) else None
+    d = deltas.delta(sid, text, prompt)
+    deltas.add(sid, rec["call_id"], text, prompt, rec.get("token_ids"))
+    return rec | {"session_id": sid, "created_at": rec.get("created_at") or time.time(),
+                  "base_call": d.base_call, "request_prefix": d.request_prefix,
+                  "request_suffix": d.request_suffix, "request_middle": d.request_middle,
+                  "request_chars": len(text), "prompt_shared": d.prompt_shared,
+                  "prompt_suffix": d.prompt_suffix,
+                  "prompt_len": len(prompt) if prompt is not None else None}
 
 
 def catch_up(db_path: str | os.PathLike, timeout: float = 30.0) -> int:
@@ -331,8 +370,9 @@ def _loads(line: bytes) -> dict | None:
 
 def _jsonable(record: dict) -> dict:
     out = dict(record)
-    if isinstance(out.get("started_at"), datetime):
-        out["started_at"] = out["started_at"].timestamp()
+    for col in ("started_at", "created_at"):
+        if isinstance(out.get(col), datetime):
+            out[col] = out[col].timestamp()
     return out
 
 
@@ -342,12 +382,11 @@ def _json_text(value) -> str | None:
 
 def _to_arrow(rows: list[dict]) -> pa.Table:
     arrays = {}
-    for col in CALL_COLUMNS:
+    for col in RECORD_COLUMNS:
         values = [r.get(col) for r in rows]
         if col in JSON_COLUMNS:
-            # Python values, encoded here: a raw (non-JSON) body is stored as a JSON string.
             values = [_json_text(v) for v in values]
-        elif col == "started_at":
+        elif col in ("started_at", "created_at"):
             values = [datetime.fromtimestamp(v, timezone.utc) if isinstance(v, (int, float)) else v
                       for v in values]
         arrays[col] = pa.array(values, type=_ARROW_TYPES.get(col, pa.string()))

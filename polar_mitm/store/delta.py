@@ -1,0 +1,158 @@
+"""How a call is stored once: its request text and prompt token ids as a delta against an
+earlier call of the same session. Pure functions and a bounded cache; no SQL here.
+
+A harness re-sends the whole conversation on every turn, and vLLM's prompt for turn k
+extends turn k-1's prompt + sampled tokens. So against the right base call:
+    request text = base[:prefix] + middle + base[len(base) - suffix:]
+    prompt ids   = (base prompt ids + base token ids)[:shared] + suffix ids
+The calls view (schema.py) applies these rules recursively; `apply_*` here are the same
+rules in Python, for readers that rebuild whole sessions at once."""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+_CHUNK = 4096
+
+
+def common_prefix(a, b) -> int:
+    """Length of the common prefix of two str (or two bytes): compared a chunk at a time,
+    then bisected inside the first chunk that differs, so it runs at memcmp speed."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i:i + _CHUNK] == b[i:i + _CHUNK]:
+        i += _CHUNK
+    if i >= n:
+        return n
+    lo, hi = i, min(i + _CHUNK, n)   # a[:lo] == b[:lo], and they differ before hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def common_suffix(a, b, limit: int) -> int:
+    """Length of the common suffix, at most `limit` (so it never overlaps a prefix)."""
+    n = min(len(a), len(b), limit)
+    i = 0   # a[len(a)-i:] == b[len(b)-i:]
+    la, lb = len(a), len(b)
+    while i < n:
+        j = min(i + _CHUNK, n)
+        if a[la - j:la - i] == b[lb - j:lb - i]:
+            i = j
+            continue
+        lo, hi = i, j - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if a[la - mid:la - i] == b[lb - mid:lb - i]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+    return n
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    prefix: int
+    suffix: int
+    middle: str
+
+
+def text_delta(base: str, text: str) -> TextDelta:
+    prefix = common_prefix(base, text)
+    suffix = common_suffix(base, text, min(len(base), len(text)) - prefix)
+    return TextDelta(prefix, suffix, text[prefix:len(text) - suffix])
+
+
+def apply_text(base: str, prefix: int, suffix: int, middle: str) -> str:
+    return base[:prefix] + middle + (base[len(base) - suffix:] if suffix else "")
+
+
+def apply_ids(base_prompt: Sequence[int], base_tokens: Sequence[int], shared: int,
+              suffix: Sequence[int]) -> list[int]:
+    head = list(base_prompt[:shared])
+    if shared > len(base_prompt):
+        head += base_tokens[:shared - len(base_prompt)]
+    return head + list(suffix)
+
+
+@dataclass
+class _Entry:
+    call_id: str
+    text: str
+    ids: bytes          # prompt + sampled token ids, as array('i') bytes
+
+    @property
+    def size(self) -> int:
+        return len(self.text) + len(self.ids) + 200
+
+
+@dataclass(frozen=True)
+class CallDelta:
+    base_call: str | None     # None: stored whole
+    request_prefix: int
+    request_suffix: int
+    request_middle: str
+    prompt_shared: int
+    prompt_suffix: list[int] | None
+
+
+class DeltaCache:
+    """The last few calls of each session, to compute deltas against; least recently used
+    sessions are forgotten past `budget` bytes (their next call is then stored whole)."""
+
+    def __init__(self, budget: int = 48 << 20, per_session: int = 3):
+        self.budget = budget
+        self.per_session = per_session
+        self._sessions: OrderedDict[str, list[_Entry]] = OrderedDict()
+        self._size = 0
+
+    def delta(self, session_id: str, text: str, prompt: list[int] | None) -> CallDelta:
+        """The cheapest description of a call against one cached call of its session.
+        The base is the call whose prompt+response shares the longest token prefix with
+        this prompt (so a title or side call in between does not break the chain)."""
+        entries = self._sessions.get(session_id) or []
+        whole = CallDelta(None, 0, 0, text, 0, list(prompt) if prompt is not None else None)
+        if not entries:
+            return whole
+        pbytes = array("i", prompt).tobytes() if prompt else b""
+        best, best_shared = None, -1
+        for e in reversed(entries):   # newest first: ties go to the most recent call
+            shared = common_prefix(e.ids, pbytes) // 4 if pbytes else 0
+            if shared > best_shared:
+                best, best_shared = e, shared
+        if not pbytes:   # no prompt ids (a failed call): the text decides
+            best = max(reversed(entries), key=lambda e: common_prefix(e.text, text))
+        d = text_delta(best.text, text)
+        saved = d.prefix + d.suffix + (best_shared * 4 if prompt else 0)
+        if saved < 256:   # unrelated: a reference would cost more than it saves
+            return whole
+        return CallDelta(best.call_id, d.prefix, d.suffix, d.middle,
+                         best_shared if prompt is not None else 0,
+                         list(prompt[best_shared:]) if prompt is not None else None)
+
+    def add(self, session_id: str, call_id: str, text: str, prompt: list[int] | None,
+            tokens: list[int] | None) -> None:
+        ids = array("i", prompt or [])
+        ids.extend(tokens or [])
+        entry = _Entry(call_id, text, ids.tobytes())
+        entries = self._sessions.pop(session_id, [])
+        entries.append(entry)
+        self._size += entry.size
+        while len(entries) > self.per_session:
+            self._size -= entries.pop(0).size
+        self._sessions[session_id] = entries
+        while self._size > self.budget and self._sessions:
+            _, dropped = self._sessions.popitem(last=False)
+            self._size -= sum(e.size for e in dropped)
+
+    @property
+    def size(self) -> int:
+        return self._size

@@ -44,17 +44,37 @@ def mitmdump_path() -> str:
     return str(exe) if exe.exists() else "mitmdump"
 
 
+PRIVATE_UMASK = 0o077   # what the proxy creates (WAL, call log, CA files) is its user's alone
+
+
+def open_private_log(path: Path):
+    """The log for append, readable by its owner only (prompts and errors end up in it);
+    one left by an earlier run with wider modes is narrowed too."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        return os.fdopen(fd, "ab")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class Service:
     """A child process in its own process group, stopped with everything it spawned."""
 
-    def __init__(self, name: str, argv: list[str], env: dict | None = None, log_path: Path | None = None):
+    def __init__(self, name: str, argv: list[str], env: dict | None = None, log_path: Path | None = None,
+                 umask: int | None = None):
         self.name, self.argv = name, argv
-        self.log_path = log_path
-        if log_path:
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(log_path, "ab") if log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.log_path = Path(log_path) if log_path else None
+        log = open_private_log(self.log_path) if self.log_path else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         umask=-1 if umask is None else umask)
+        finally:
+            if log is not subprocess.DEVNULL:
+                log.close()   # the child has its own copy
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -164,7 +184,10 @@ def start_proxy(*, db: str | Path, backend: str, port: int, confdir: str | Path,
         argv += ["--mode", f"reverse:{backend}@{reverse_port}"]
     for item in extra_sets or []:
         argv += ["--set", item]
-    service = Service("mitmdump", argv, None, log_path)
+    # mitmdump creates its CA files there; the database, its WAL and the call log come from
+    # the same process: all of it readable by this user only.
+    Path(confdir).mkdir(mode=0o700, parents=True, exist_ok=True)
+    service = Service("mitmdump", argv, None, log_path, umask=PRIVATE_UMASK)
     try:
         wait_port(port, service)
         wait_addon(port, service)

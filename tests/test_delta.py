@@ -43,7 +43,7 @@ def test_cache_picks_the_call_the_prompt_extends_past_a_side_call():
     cache.add("s", "main1", '{"m":[1]}', [1, 2, 3] * 100, [4, 5])
     cache.add("s", "title", '{"title":1}', [9, 9, 9], [8])
     d = cache.delta("s", '{"m":[1,2]}', [1, 2, 3] * 100 + [4, 5, 6])
-    assert d.base_call == "main1" and d.prompt_shared == 302 and d.prompt_suffix == [6]
+    assert d.base_call == "main1" and d.prompt_shared == 302 and d.prompt_suffix == b"[6]"
 
 
 def test_cache_stays_within_its_budget():
@@ -127,3 +127,30 @@ def test_old_rows_migrate_whole(tmp_path):
     assert rows[1][:4] == ("b", "not json: raw", None, None)
     assert con.execute("SELECT prompt_len FROM session_turns ORDER BY seq").fetchall() == [(2,), (None,)]
     con.close()
+
+
+def test_id_deltas_on_json_text_are_exact():
+    """Prompt ids travel as JSON text (no Python int per id); the shared prefix is counted
+    on that text, token boundaries included."""
+    from polar_mitm.store.delta import DeltaCache as Cache, shared_ids
+    rng = random.Random(1)
+    for _ in range(3000):
+        base = [rng.randrange(0, 200) for _ in range(rng.randint(0, 30))]
+        new = base[:rng.randint(0, len(base))] + [rng.randrange(0, 200) for _ in range(rng.randint(0, 10))]
+        true = next((i for i, (x, y) in enumerate(zip(base, new)) if x != y), min(len(base), len(new)))
+        assert shared_ids(orjson.dumps(base), orjson.dumps(new)) == true
+        cache = Cache()
+        cache.add("s", "b", "t" * 300, base[:len(base) // 2], base[len(base) // 2:])
+        d = cache.delta("s", "t" * 300 + "x", orjson.dumps(new))
+        assert apply_ids(base[:len(base) // 2], base[len(base) // 2:], d.prompt_shared,
+                         orjson.loads(d.prompt_suffix)) == new
+
+
+def test_vllm_prompt_ids_are_kept_as_text():
+    from polar_mitm.adapters.backend import parse_completion
+    answer = {"id": "x", "choices": [{"message": {"content": 'a "prompt_token_ids": [9] b'}}],
+              "prompt_token_ids": [1, 2, 40000]}
+    resp, ids = parse_completion(orjson.dumps(answer))
+    assert ids == b"[1,2,40000]" and resp["choices"] == answer["choices"]
+    assert parse_completion(b'{"prompt_token_ids": [1, 2,\n 3], "x": 1}') == ({"prompt_token_ids": None, "x": 1}, b"[1,2,3]")
+    assert parse_completion(b'{"choices": []}') == ({"choices": []}, None)

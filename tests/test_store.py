@@ -64,11 +64,11 @@ def test_rewards_and_task_groups(tmp_path):
 
 
 HOLDER = textwrap.dedent("""
-    import sys, time, duckdb
-    con = duckdb.connect(sys.argv[1], read_only=True)
-    print("locked", flush=True)
-    time.sleep(float(sys.argv[2]))
-    con.close()
+    import sys, time
+    from polar_mitm.store import reading
+    with reading(sys.argv[1]) as con:   # announced: a running proxy's loader steps aside
+        print("locked", flush=True)
+        time.sleep(float(sys.argv[2]))
 """)
 
 
@@ -139,7 +139,7 @@ def test_a_cancelled_waiter_does_not_stop_the_writer(tmp_path):
 
     def slow_append(data):             # keep the log thread busy while a waiter gives up
         time.sleep(0.3)
-        append(data)
+        return append(data)
 
     w._log.append = slow_append
     first = w.submit(SESSION, record(0))
@@ -161,7 +161,7 @@ def test_total_ms_covers_the_durable_append_and_queue_ms_the_wait_for_it(tmp_pat
 
     def slow_append(data):             # a slow disk: each fsync takes 0.25 s
         time.sleep(0.25)
-        append(data)
+        return append(data)
 
     w._log.append = slow_append
     first = w.submit(SESSION, record(0, _t0=time.perf_counter()))

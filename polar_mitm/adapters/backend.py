@@ -133,6 +133,30 @@ def backend_error(status: int, body: bytes) -> BackendError:
     return BackendError(message, status=502, kind="backend_error")
 
 
+_PROMPT_KEY = b'"prompt_token_ids":'
+_ID_BYTES = b"0123456789,- \n\r\t"
+
+
+def parse_completion(content: bytes) -> tuple[Any, bytes | None]:
+    """vLLM's answer, parsed, with its prompt_token_ids left as JSON text: tens of thousands
+    of ids go to the store as they are, never as Python ints. (None when not found.)"""
+    at = content.rfind(_PROMPT_KEY)
+    before = content[:at].rstrip()
+    # The key itself, not text inside a string (where its quote would follow a backslash).
+    if at > 0 and before[-1:] in (b"{", b","):
+        start = at + len(_PROMPT_KEY)
+        while content[start:start + 1] in (b" ", b"\n", b"\r", b"\t"):
+            start += 1
+        end = content.find(b"]", start)
+        raw = content[start:end + 1]
+        if content[start:start + 1] == b"[" and end > 0 and not raw[1:-1].translate(None, _ID_BYTES):
+            resp = orjson.loads(content[:start] + b"null" + content[end + 1:])
+            return resp, raw.replace(b" ", b"").replace(b"\n", b"")
+    resp = orjson.loads(content)
+    ids = resp.get("prompt_token_ids") if isinstance(resp, dict) else None
+    return resp, orjson.dumps(ids) if isinstance(ids, list) else None
+
+
 def from_backend(resp: Any, request: dict) -> tuple[dict, dict]:
     """(normalized result, token record) from a vLLM chat completion. Anything else (a null
     message, a field of the wrong type) is the backend's fault: a 502, not a Python error."""

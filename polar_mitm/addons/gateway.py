@@ -76,13 +76,17 @@ class PolarGateway:
         self._slots: asyncio.Semaphore | None = None
         self._filters: dict[str, re.Pattern | None] = {}  # polar_model_hosts/_paths
         self.max_body = 64 * 1024 * 1024   # polar_max_body, in bytes
+        # session -> (request text length, prompt tokens) of its last call: bounds the next prompt
+        self._prompt_sizes: dict[str, tuple[int, int]] = {}
         self.calls = 0
 
     # ---- lifecycle ---------------------------------------------------------------------
 
     def load(self, loader):
-        # httpx logs every backend request at INFO: noise in mitmdump's log, and CPU under load.
-        logging.getLogger("httpx").setLevel(logging.WARNING)
+        # httpx logs every backend request at INFO, httpcore at DEBUG (mitmproxy's log handler
+        # builds every record): noise in mitmdump's log, and CPU under load.
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
         loader.add_option("polar_db", str, "rollouts.duckdb", "DuckDB file the calls are written to.")
         loader.add_option("polar_backend", str, "http://127.0.0.1:8000",
                           "Base URL of the vLLM OpenAI-compatible server.")
@@ -287,7 +291,8 @@ class PolarGateway:
                                    else text if text is not None else ""),
                   "queue_ms": 0.0, "backend_ms": 0.0}
         try:
-            status, content, headers = await self._serve(mod, body, req.path, record)
+            status, content, headers = await self._serve(mod, body, req.path, record,
+                                                         session["session_id"])
         except Exception as e:  # recorded like any failure; the harness gets its own error shape
             if not isinstance(e, AdapterError):
                 log.exception("polar: unexpected error in a model call")
@@ -314,7 +319,8 @@ class PolarGateway:
         self.calls += 1
         flow.response = http.Response.make(status, content, headers)
 
-    async def _serve(self, mod, body, path: str, record: dict) -> tuple[int, bytes, dict]:
+    async def _serve(self, mod, body, path: str, record: dict,
+                     session_id: str = "") -> tuple[int, bytes, dict]:
         """Translate, complete on the backend, answer in the client's format; fills record."""
         if isinstance(body, AdapterError):  # the body could not be read (too large, bad encoding)
             raise body
@@ -323,11 +329,11 @@ class PolarGateway:
         if not _depth_ok(body):
             raise AdapterError(f"request body is nested deeper than {MAX_BODY_DEPTH} levels")
         normalized = mod.to_chat(body, path)
-        record.update(normalized_json=normalized, stream=normalized["stream"],
-                      requested_model=normalized["model"], dropped=normalized["dropped"])
+        record.update(stream=normalized["stream"], requested_model=normalized["model"],
+                      dropped=normalized["dropped"])
         served = await self._served()
         backend_body = backend.to_backend(normalized, served, self.overrides, self._max_model_len)
-        await self._fit_max_tokens(backend_body)
+        await self._fit_max_tokens(backend_body, session_id, len(record["request_text"]))
         # What vLLM got besides the conversation (sampling, max_tokens as fitted, template flags).
         record.update(served_model=served, backend_params={
             k: v for k, v in backend_body.items() if k not in ("messages", "tools")})
@@ -337,16 +343,19 @@ class PolarGateway:
         try:
             b0 = time.perf_counter()
             record["queue_ms"] = (b0 - q0) * 1000
-            resp_json, policy = await asyncio.gather(self._complete(backend_body),
-                                                     self._policy_version())
+            (resp_json, prompt_ids), policy = await asyncio.gather(
+                self._complete(backend_body), self._policy_version())
             record["backend_ms"] = (time.perf_counter() - b0) * 1000
         finally:
             if self._slots:
                 self._slots.release()
         result, tokens = backend.from_backend(resp_json, normalized)
         answer = mod.from_chat(result, normalized)
+        self._prompt_sizes[session_id] = (len(record["request_text"]), result["usage"]["prompt_tokens"])
+        if len(self._prompt_sizes) > 10_000:
+            self._prompt_sizes.pop(next(iter(self._prompt_sizes)))
         record.update(status_code=200, response_json=answer,
-                      prompt_token_ids=tokens["prompt_token_ids"], token_ids=tokens["token_ids"],
+                      prompt_token_ids=prompt_ids or b"[]", token_ids=tokens["token_ids"],
                       logprobs=tokens["logprobs"], finish_reason=result["finish_reason"],
                       prompt_tokens=result["usage"]["prompt_tokens"],
                       completion_tokens=result["usage"]["completion_tokens"],
@@ -356,7 +365,8 @@ class PolarGateway:
                 "content-type": adapters.stream_content_type(normalized), "cache-control": "no-cache"}
         return 200, orjson.dumps(answer), dict(_JSON)
 
-    async def _complete(self, backend_body: dict) -> dict:
+    async def _complete(self, backend_body: dict) -> tuple[dict, bytes | None]:
+        """vLLM's answer, and its prompt token ids as JSON text."""
         url = ctx.options.polar_backend.rstrip("/") + "/v1/chat/completions"
         try:
             resp = await self._http().post(url, content=orjson.dumps(backend_body),
@@ -369,20 +379,24 @@ class PolarGateway:
         if resp.status_code != 200:
             raise backend.backend_error(resp.status_code, resp.content)
         try:
-            return orjson.loads(resp.content)
+            return backend.parse_completion(resp.content)
         except orjson.JSONDecodeError:
             raise backend.BackendError("the model backend answered with invalid JSON") from None
 
-    async def _fit_max_tokens(self, body: dict) -> None:
+    async def _fit_max_tokens(self, body: dict, session_id: str, text_len: int) -> None:
         """Caps max_tokens at what the context leaves after the prompt: some vLLM versions
-        refuse more (Claude Code asks for 64000). A token is at least one byte of the rendered
-        prompt, so the backend counts the prompt only when its bytes could matter."""
+        refuse more (Claude Code asks for 64000). A token is at least one byte of the
+        harness's request text, and a session's prompt grows by at most the bytes its text
+        grows by, so the backend counts the prompt only when its size could matter."""
         limit, wanted = self._max_model_len, body.get("max_tokens")
         if not limit or not isinstance(wanted, int):
             return
-        text = orjson.dumps([body["messages"], body.get("tools")])
-        # an image URL is short but renders to many tokens
-        if wanted + len(text) + TEMPLATE_SLACK <= limit and b'"image_url"' not in text:
+        bound = text_len
+        if session_id in self._prompt_sizes:
+            last_len, last_tokens = self._prompt_sizes[session_id]
+            bound = min(bound, last_tokens + max(0, text_len - last_len))
+        # an image is a short URL or base64 that renders to many tokens
+        if wanted + bound + TEMPLATE_SLACK <= limit and not _has_image(body):
             return
         try:
             count = await self._tokenize(body)
@@ -399,7 +413,7 @@ class PolarGateway:
                                        content=orjson.dumps(tok), headers=_JSON)
         if resp.status_code != 200:
             raise backend.backend_error(resp.status_code, resp.content)
-        return int(resp.json().get("count", 0))
+        return int(orjson.loads(resp.content).get("count", 0))
 
     async def _served(self) -> str:
         if self._model_listed:
@@ -517,6 +531,12 @@ class _Refused(layer.Layer):
 def _overloaded_status(mod) -> int:
     # Anthropic clients retry 529 (overloaded); the other providers use 503.
     return getattr(mod, "OVERLOADED_STATUS", 503)
+
+
+def _has_image(body: dict) -> bool:
+    return any(isinstance(m.get("content"), list)
+               and any(isinstance(p, dict) and p.get("type") == "image_url" for p in m["content"])
+               for m in body["messages"])
 
 
 def _is_websocket(req: http.Request) -> bool:

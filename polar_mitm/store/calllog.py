@@ -81,16 +81,19 @@ class LogAppender:
         finally:
             os.close(dfd)
 
-    def append(self, data: bytes) -> None:
+    def append(self, data: bytes) -> tuple[Position, Position]:
+        """Writes and fsyncs; returns where the data starts and ends in the log."""
         if self._size and self._size + len(data) > SEGMENT_BYTES:
             self.seg += 1
             self._open()
+        start = Position(self.seg, self._size)
         view = memoryview(data)
         while view:
             n = self._f.write(view)
             view = view[n:]
         os.fsync(self._f.fileno())
         self._size += len(data)
+        return start, Position(self.seg, self._size)
 
     def close(self) -> None:
         if self._f:

@@ -78,13 +78,23 @@ def _pid_alive(request_name: str) -> bool:
     return True
 
 
-def connect(path: str | os.PathLike, *, read_only: bool = False,
-            timeout: float = 30.0) -> duckdb.DuckDBPyConnection:
-    """Open the file, retrying with jittered backoff while another process holds it."""
+def connect(path: str | os.PathLike, *, read_only: bool = False, timeout: float = 30.0,
+            row_group_size: int | None = None) -> duckdb.DuckDBPyConnection:
+    """Open the file, retrying with jittered backoff while another process holds it.
+    row_group_size: rows per row group of what this connection appends (a multiple of 2048)."""
     deadline = time.monotonic() + timeout
     delay = 0.002
     while True:
         try:
+            if row_group_size:
+                con = duckdb.connect()
+                try:
+                    con.execute(f"ATTACH '{_sql_path(Path(path))}' AS store (ROW_GROUP_SIZE {int(row_group_size)})")
+                    con.execute("USE store")
+                except BaseException:
+                    con.close()
+                    raise
+                return con
             return duckdb.connect(str(path), read_only=read_only)
         except duckdb.Error as e:
             if not _is_lock_error(e) or time.monotonic() >= deadline:

@@ -10,10 +10,11 @@ rules in Python, for readers that rebuild whole sessions at once."""
 
 from __future__ import annotations
 
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
+
+import orjson
 
 _CHUNK = 4096
 
@@ -83,11 +84,48 @@ def apply_ids(base_prompt: Sequence[int], base_tokens: Sequence[int], shared: in
     return head + list(suffix)
 
 
+def ids_json(ids) -> bytes | None:
+    """Token ids as JSON text (b"[1,2,3]"): how the proxy carries them from vLLM's answer
+    to DuckDB without making a Python int of each one."""
+    if ids is None:
+        return None
+    if isinstance(ids, (bytes, bytearray)):
+        return bytes(ids)
+    return orjson.dumps(list(ids))
+
+
+def count_ids(text: bytes) -> int:
+    return 0 if len(text) <= 2 else text.count(b",") + 1
+
+
+def join_ids(prompt: bytes, tokens: bytes | None) -> bytes:
+    """JSON of prompt + tokens."""
+    if not tokens or len(tokens) <= 2:
+        return prompt
+    if len(prompt) <= 2:
+        return tokens
+    return prompt[:-1] + b"," + tokens[1:]
+
+
+def shared_ids(base: bytes, ids: bytes) -> int:
+    """How many leading ids two JSON id lists share: those whose separator (`,` or `]`)
+    lies inside their common prefix, or right at its end in both."""
+    if len(ids) <= 2 or len(base) <= 2:
+        return 0
+    p = common_prefix(base, ids)
+    if p >= len(ids):
+        return count_ids(ids)
+    n = ids.count(b",", 0, p)
+    if ids[p:p + 1] in (b",", b"]") and base[p:p + 1] in (b",", b"]"):
+        n += 1
+    return n
+
+
 @dataclass
 class _Entry:
     call_id: str
     text: str
-    ids: bytes          # prompt + sampled token ids, as array('i') bytes
+    ids: bytes          # prompt + sampled token ids, as JSON text
 
     @property
     def size(self) -> int:
@@ -101,48 +139,51 @@ class CallDelta:
     request_suffix: int
     request_middle: str
     prompt_shared: int
-    prompt_suffix: list[int] | None
+    prompt_suffix: bytes | None   # JSON text of the ids after the shared ones
 
 
 class DeltaCache:
     """The last few calls of each session, to compute deltas against; least recently used
     sessions are forgotten past `budget` bytes (their next call is then stored whole)."""
 
-    def __init__(self, budget: int = 48 << 20, per_session: int = 3):
+    def __init__(self, budget: int = 32 << 20, per_session: int = 3):
         self.budget = budget
         self.per_session = per_session
         self._sessions: OrderedDict[str, list[_Entry]] = OrderedDict()
         self._size = 0
 
-    def delta(self, session_id: str, text: str, prompt: list[int] | None) -> CallDelta:
+    def delta(self, session_id: str, text: str, prompt) -> CallDelta:
         """The cheapest description of a call against one cached call of its session.
         The base is the call whose prompt+response shares the longest token prefix with
-        this prompt (so a title or side call in between does not break the chain)."""
+        this prompt (so a title or side call in between does not break the chain).
+        prompt: ids as a list or as JSON text."""
+        prompt = ids_json(prompt)
         entries = self._sessions.get(session_id) or []
-        whole = CallDelta(None, 0, 0, text, 0, list(prompt) if prompt is not None else None)
+        whole = CallDelta(None, 0, 0, text, 0, prompt)
         if not entries:
             return whole
-        pbytes = array("i", prompt).tobytes() if prompt else b""
         best, best_shared = None, -1
         for e in reversed(entries):   # newest first: ties go to the most recent call
-            shared = common_prefix(e.ids, pbytes) // 4 if pbytes else 0
+            shared = shared_ids(e.ids, prompt) if prompt else 0
             if shared > best_shared:
                 best, best_shared = e, shared
-        if not pbytes:   # no prompt ids (a failed call): the text decides
+        if not prompt:   # no prompt ids (a failed call): the text decides
             best = max(reversed(entries), key=lambda e: common_prefix(e.text, text))
         d = text_delta(best.text, text)
         saved = d.prefix + d.suffix + (best_shared * 4 if prompt else 0)
         if saved < 256:   # unrelated: a reference would cost more than it saves
             return whole
+        suffix = None
+        if prompt is not None:
+            suffix = prompt
+            if best_shared:
+                cut = _nth_comma(prompt, best_shared)
+                suffix = b"[" + prompt[cut + 1:] if cut < len(prompt) - 1 else b"[]"
         return CallDelta(best.call_id, d.prefix, d.suffix, d.middle,
-                         best_shared if prompt is not None else 0,
-                         list(prompt[best_shared:]) if prompt is not None else None)
+                         best_shared if prompt is not None else 0, suffix)
 
-    def add(self, session_id: str, call_id: str, text: str, prompt: list[int] | None,
-            tokens: list[int] | None) -> None:
-        ids = array("i", prompt or [])
-        ids.extend(tokens or [])
-        entry = _Entry(call_id, text, ids.tobytes())
+    def add(self, session_id: str, call_id: str, text: str, prompt, tokens) -> None:
+        entry = _Entry(call_id, text, join_ids(ids_json(prompt) or b"[]", ids_json(tokens)))
         entries = self._sessions.pop(session_id, [])
         entries.append(entry)
         self._size += entry.size
@@ -156,3 +197,14 @@ class DeltaCache:
     @property
     def size(self) -> int:
         return self._size
+
+
+def _nth_comma(text: bytes, n: int) -> int:
+    """Index of the n-th comma (1-based), or of the closing bracket if there are fewer."""
+    at = 0
+    for _ in range(n):
+        nxt = text.find(b",", at)
+        if nxt < 0:
+            return len(text) - 1
+        at = nxt + 1
+    return at - 1

@@ -16,6 +16,7 @@ loader thread moves the log into DuckDB in bulk, off the request path.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import os
@@ -30,7 +31,7 @@ import pyarrow as pa
 from .calllog import LogAppender, Position, drop_loaded, log_dir, read_lines
 from .db import (LOADER_FILE, READY_SUFFIX, StoreBusy, connect, init_db, pending_requests,
                  readers_dir, writing)
-from .delta import DeltaCache
+from .delta import DeltaCache, count_ids, ids_json
 from .schema import JSON_COLUMNS, RECORD_COLUMNS
 
 log = logging.getLogger("polar")
@@ -39,7 +40,7 @@ _ARROW_TYPES = {
     "seq": pa.int32(), "stream": pa.bool_(), "status_code": pa.int32(),
     "request_prefix": pa.int32(), "request_suffix": pa.int32(), "request_chars": pa.int32(),
     "prompt_shared": pa.int32(), "prompt_len": pa.int32(),
-    "prompt_suffix": pa.list_(pa.int32()), "token_ids": pa.list_(pa.int32()),
+    "prompt_suffix": pa.string(), "token_ids": pa.list_(pa.int32()),
     "logprobs": pa.list_(pa.float32()), "prompt_tokens": pa.int32(),
     "completion_tokens": pa.int32(), "queue_ms": pa.float64(), "backend_ms": pa.float64(),
     "total_ms": pa.float64(), "dropped": pa.list_(pa.string()),
@@ -47,12 +48,21 @@ _ARROW_TYPES = {
 }
 _SESSION_COLUMNS = ("session_id", "task_id", "source", "client", "user_agent")
 _STOP = object()
+FRESH_MAX = 4000          # records handed to the loader in memory, at most
 POSITION_KEY = "log_position"
+# DuckDB 2.0 rewrites a table's last row group at each checkpoint (leaving its old blocks
+# free in the file), and each commit's WAL for a list column grows with the rows appended
+# to that row group since the last checkpoint. Small row groups bound both; checkpoints
+# are rare (a WAL of 256 MB), and the loader uses one thread and a small cache, since the
+# proxy's own work needs the CPUs and the memory.
+ROW_GROUP_ROWS = 2048
+LOADER_SETTINGS = ("SET threads = 1", "SET memory_limit = '128MB'",
+                   "SET checkpoint_threshold = '256MB'")
 
 
 class CallWriter:
     def __init__(self, db_path: str | os.PathLike, *, lock_timeout: float = 10.0,
-                 load_interval: float = 0.2, poll: float = 0.03):
+                 load_interval: float = float(os.environ.get("POLAR_LOAD_INTERVAL", 0.2)), poll: float = 0.03):
         self.db_path = str(db_path)
         self.lock_timeout = lock_timeout
         self.load_interval = load_interval
@@ -65,6 +75,11 @@ class CallWriter:
         self._appended = 0                 # lines appended but maybe not loaded yet
         self._loaded_upto = 0
         self._deltas = DeltaCache()       # the loader's recent calls per session
+        self._fresh: collections.deque = collections.deque()   # (start, end, records) appended
+        self._fresh_count = 0
+        self._fresh_lock = threading.Lock()
+        self._con = None                  # the loader's connection, while calls keep coming
+        self.idle_release = 2.0           # seconds without calls before it lets go
         self._ack_ms: dict[str, float] = {}   # call_id -> total_ms at its durable append
         self._stopping = threading.Event()
         self._wake = threading.Event()
@@ -155,7 +170,7 @@ class CallWriter:
                         _resolve(fut, exc=e)
 
     def _append(self, batch: list) -> None:
-        lines, done = [], []
+        lines, entries, done = [], [], []
         now, wall = time.perf_counter(), time.time()
         for session, record, fut, queued in batch:
             if fut.done():            # its waiter went away (cancelled): nothing to record
@@ -169,18 +184,33 @@ class CallWriter:
             rec["queue_ms"] = (rec.get("queue_ms") or 0.0) + (now - queued) * 1000
             rec["seq"] = seq
             rec["created_at"] = wall     # recorded: when the call is acknowledged
+            entry = {"s": session, "r": _jsonable(rec)}
             try:
-                line = _dumps({"s": session, "r": _jsonable(rec)})
+                line = orjson.dumps({"s": session, "r": _fragments(entry["r"])}) + b"\n"
+            except orjson.JSONEncodeError:
+                try:
+                    line = _dumps({"s": session, "r": _fragments(entry["r"])})
+                    entry = orjson.loads(line)   # what the loader stores is what the log says
+                except Exception as e:
+                    _resolve(fut, exc=e)
+                    continue
             except Exception as e:
                 _resolve(fut, exc=e)
                 continue
             self._seq[sid] = seq
             lines.append(line)
+            entries.append(entry)
             done.append((fut, seq, rec.get("call_id"), t0))
         if not lines:
             return
         # On failure (disk full) the batch's futures fail; the numbers it took leave a gap.
-        self._log.append(b"".join(lines))
+        start, end = self._log.append(b"".join(lines))
+        with self._fresh_lock:
+            self._fresh.append((start, end, entries))
+            self._fresh_count += len(entries)
+            if self._fresh_count > FRESH_MAX:   # the loader is held up: it reads the log instead
+                self._fresh.clear()
+                self._fresh_count = 0
         self.batches += 1
         self._appended += len(lines)
         acked = time.perf_counter()
@@ -206,6 +236,7 @@ class CallWriter:
             if readers:
                 # Let the readers see every acknowledged call, tell them, then step aside.
                 if not pending or self._load_pending(timeout=1.0):
+                    self._release()
                     for r in readers:
                         ready = r.with_name(r.name + READY_SUFFIX)
                         if not ready.exists() and r.exists():
@@ -214,24 +245,43 @@ class CallWriter:
             if pending and (time.monotonic() - last >= self.load_interval or pending >= 5000):
                 self._load_pending(timeout=0.05)
                 last = time.monotonic()
+            elif self._con is not None and time.monotonic() - last >= self.idle_release:
+                self._release()   # idle: other tools may open the file directly
 
     def _final_load(self) -> None:
         deadline = time.monotonic() + self.lock_timeout
         while self._appended > self._loaded_upto and time.monotonic() < deadline:
             if not self._load_pending(timeout=max(0.05, deadline - time.monotonic())):
                 time.sleep(0.05)
+        self._release()
+
+    def _release(self) -> None:
+        """Close the file (DuckDB checkpoints on close), so another process can open it."""
+        if self._con is not None:
+            con, self._con = self._con, None
+            try:
+                con.close()
+            except Exception:
+                log.exception("polar: closing the database failed")
 
     def _load_pending(self, timeout: float) -> bool:
+        """Load what was appended up to now (not what keeps coming meanwhile, so a reader
+        that asked is answered under any load); True when it all is in the database."""
+        target = self._appended
         try:
-            while True:
-                target = self._appended
-                lines, nxt = read_lines(log_dir(self.db_path), self._position)
-                if nxt == self._position:
-                    self._loaded_upto = target
-                    return True
-                self._load(lines, nxt, timeout)
-                if not lines:
-                    continue
+            while self._loaded_upto < target:
+                entries, nxt = self._take_fresh()
+                n = len(entries) if entries is not None else 0
+                if entries is None:      # not appended by this process, or not handed over
+                    lines, nxt = read_lines(log_dir(self.db_path), self._position, max_bytes=16 << 20)
+                    if nxt == self._position:
+                        self._loaded_upto = target   # unreadable lines, counted but skipped
+                        break
+                    n = len(lines)
+                    entries = [e for e in map(_loads, lines) if e]
+                self._load(entries, nxt, timeout)
+                self._loaded_upto += n
+            return True
         except StoreBusy:
             return False          # someone else holds the file; the log keeps the calls
         except Exception:
@@ -239,26 +289,45 @@ class CallWriter:
             log.exception("polar: loading the call log into DuckDB failed; will retry")
             return False
 
-    def _load(self, lines: list[bytes], nxt: Position, timeout: float) -> None:
-        con = connect(self.db_path, timeout=timeout)
+    def _take_fresh(self) -> tuple[list[dict] | None, Position]:
+        """Records this process appended right after the loaded position, as the log thread
+        handed them over: no need to read and parse them back from the log."""
+        with self._fresh_lock:
+            while self._fresh and self._fresh[0][1] <= self._position:
+                self._fresh_count -= len(self._fresh.popleft()[2])
+            if not self._fresh or self._fresh[0][0] != self._position:
+                return None, self._position
+            entries, end = [], self._position
+            while self._fresh and self._fresh[0][0] == end and len(entries) < 2000:
+                start, end, batch = self._fresh.popleft()
+                self._fresh_count -= len(batch)
+                entries += batch
+            return entries, end
+
+    def _load(self, entries: list[dict], nxt: Position, timeout: float) -> None:
+        # The file stays open while calls keep coming: each close is a checkpoint, and a
+        # checkpoint rewrites the table's last row group (time, and free blocks in the
+        # file). Readers ask, and get it at once; see _run_loader.
+        if self._con is None:
+            self._con = connect(self.db_path, timeout=timeout, row_group_size=ROW_GROUP_ROWS)
+            for setting in LOADER_SETTINGS:
+                self._con.execute(setting)
         try:
-            load_lines(con, lines, nxt, self._deltas, self._ack_ms)
+            load_entries(self._con, entries, nxt, self._deltas, self._ack_ms)
         except BaseException:
             self._deltas = DeltaCache()   # it may name calls that were rolled back
+            self._release()
             raise
-        finally:
-            con.close()   # hand the file to readers at once
         self._position = nxt
         self.loads += 1
         drop_loaded(log_dir(self.db_path), nxt, keep_from=self._log.seg if self._log else nxt.seg)
 
 
-def load_lines(con, lines: list[bytes], nxt: Position, deltas: DeltaCache | None = None,
-               ack_ms: dict[str, float] | None = None) -> None:
-    """One transaction: the calls of these log lines (each once: call_id is the key), each
+def load_entries(con, entries: list[dict], nxt: Position, deltas: DeltaCache | None = None,
+                 ack_ms: dict[str, float] | None = None) -> None:
+    """One transaction: the calls of these log records (each once: call_id is the key), each
     stored as a delta against a call of its session in `deltas`, and the log position after
     them. `ack_ms` has the total_ms of calls this process acknowledged (taken once used)."""
-    entries = [e for e in map(_loads, lines) if e]
     sessions = {}
     for e in entries:
         sessions.setdefault(e["s"]["session_id"], e["s"])
@@ -276,7 +345,9 @@ def load_lines(con, lines: list[bytes], nxt: Position, deltas: DeltaCache | None
             con.register("call_table", _to_arrow(rows))
             con.execute("INSERT INTO sessions (session_id, task_id, source, client, user_agent) "
                         "SELECT * FROM session_table ON CONFLICT DO NOTHING")
-            con.execute(f"INSERT INTO call_records ({cols}) SELECT {cols} FROM call_table "
+            # prompt ids come as JSON text, parsed by DuckDB (no Python int per id)
+            picked = cols.replace("prompt_suffix", "CAST(prompt_suffix AS INTEGER[])")
+            con.execute(f"INSERT INTO call_records ({cols}) SELECT {picked} FROM call_table "
                         "ON CONFLICT DO NOTHING")
         con.execute("INSERT INTO meta VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
                     [POSITION_KEY, nxt.encode()])
@@ -298,15 +369,15 @@ def _stored_row(entry: dict, deltas: DeltaCache) -> dict:
     text = rec.get("request_text")
     text = text if isinstance(text, str) else ""
     prompt = rec.get("prompt_token_ids")
-    prompt = prompt if isinstance(prompt, list) else None
+    prompt = ids_json(prompt) if isinstance(prompt, (list, bytes)) else None
     d = deltas.delta(sid, text, prompt)
     deltas.add(sid, rec["call_id"], text, prompt, rec.get("token_ids"))
     return rec | {"session_id": sid, "created_at": rec.get("created_at") or time.time(),
                   "base_call": d.base_call, "request_prefix": d.request_prefix,
                   "request_suffix": d.request_suffix, "request_middle": d.request_middle,
                   "request_chars": len(text), "prompt_shared": d.prompt_shared,
-                  "prompt_suffix": d.prompt_suffix,
-                  "prompt_len": len(prompt) if prompt is not None else None}
+                  "prompt_suffix": d.prompt_suffix.decode() if d.prompt_suffix is not None else None,
+                  "prompt_len": count_ids(prompt) if prompt is not None else None}
 
 
 def catch_up(db_path: str | os.PathLike, timeout: float = 30.0) -> int:
@@ -324,7 +395,7 @@ def catch_up(db_path: str | os.PathLike, timeout: float = 30.0) -> int:
             lines, nxt = read_lines(directory, pos)
             if nxt == pos:
                 return loaded
-            load_lines(con, lines, nxt)
+            load_entries(con, [e for e in map(_loads, lines) if e], nxt)
             loaded += len(lines)
     finally:
         con.close()
@@ -374,6 +445,13 @@ def _jsonable(record: dict) -> dict:
         if isinstance(out.get(col), datetime):
             out[col] = out[col].timestamp()
     return out
+
+
+def _fragments(rec: dict) -> dict:
+    """Id lists carried as JSON text go into the log line as they are."""
+    if any(isinstance(v, bytes) for v in rec.values()):
+        return {k: orjson.Fragment(v) if isinstance(v, bytes) else v for k, v in rec.items()}
+    return rec
 
 
 def _json_text(value) -> str | None:

@@ -1,78 +1,586 @@
-"""What the proxy adds to a model call, measured side by side in one run.
+"""What polar-mitm adds to a model call, next to plain mitmdump, measured side by side in one run.
 
-A stand-in backend answers instantly, so every millisecond measured is the proxy's own
-(translation, the backend round trip, the DuckDB group commit before the answer).
+    .venv/bin/python scripts/bench_gateway.py [--concurrency 1,8,64] [--sessions 1] [--turns 20]
+                                              [--style mix] [--soak 600] [--out FILE.json]
 
-    .venv/bin/python scripts/bench_gateway.py [--calls 50] [--clients 16]
+Three configurations, the same client code and the same bodies:
+  direct  clients -> fake provider server (scripts/workload.py, its own process, instant answers)
+  plain   clients -> mitmdump without any addon, reverse mode -> the fake provider
+  polar   clients -> polar-mitm (launch.start_proxy, its reverse-mode listener) -> the fake,
+          asked in vLLM's token-returning format; each call is recorded before it is answered
+Both mitmdumps run with the same mitmproxy options; only the addon (and its polar_* options)
+differs. The workload: coding-agent sessions of 20 turns, bodies ~43 KB at turn 1 growing to
+~200 KB at turn 20, half OpenAI Chat and half Anthropic Messages (--style mix), one session key
+per session (polar-NAME). Clients run in this process (asyncio, one keep-alive connection each,
+a minimal HTTP/1.1 client so they take little CPU); the backend and each mitmdump run in their
+own processes. Added latency is a percentile of a configuration minus the same percentile of
+direct at the same concurrency. Measurements run in rounds (--rounds, pooled), each round all
+concurrencies and configurations back to back. Before each measurement every server process is
+left to go idle, and the CPU a proxy spends after its clients finished (deferred work) is
+reported too. Peak RSS is VmHWM of the mitmdump process tree, reset (clear_refs) before each
+measurement; the table shows round 1's, the RSS target uses the highest over all rounds.
+--soak SECONDS then runs polar alone (--soak-clients, new sessions as old ones finish) and
+prints calls/s, latency, RSS and store size per minute; --concurrency '' runs only the soak.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
+import asyncio
+import json
+import math
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
+import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from fake_vllm import FakeVLLM  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import workload  # noqa: E402
 
 from polar_mitm import launch  # noqa: E402
-from polar_mitm.store import query  # noqa: E402
 
-BODY = {"model": "m", "messages": [{"role": "user", "content": "hello " * 200}], "max_tokens": 8}
+CONFIGS = ("direct", "plain", "polar")
+HOST = "127.0.0.1"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+# ---- /proc -------------------------------------------------------------------------------
 
 
-def timed_calls(url: str, n: int, key: str) -> list[float]:
-    out = []
-    with httpx.Client(trust_env=False, timeout=60) as c:
-        for _ in range(n):
-            t0 = time.perf_counter()
-            r = c.post(url, json=BODY, headers={"authorization": f"Bearer {key}"})
-            r.raise_for_status()
-            out.append((time.perf_counter() - t0) * 1000)
+def process_tree(pid: int) -> list[int]:
+    """pid and its descendants (via /proc/PID/task/TID/children)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--calls", type=int, default=50)
-    ap.add_argument("--clients", type=int, default=16)
-    args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="polar-bench-"))
-    with FakeVLLM() as fake:
-        proxy = launch.start_proxy(db=work / "bench.duckdb", backend=fake.url, port=launch.free_port(),
-                                   confdir=work / "conf", log_path=work / "mitmdump.log",
-                                   reverse_port=(rp := launch.free_port()))
+def _status_kb(pid: int, field: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def peak_rss_mb(pid: int) -> float:
+    return sum(_status_kb(p, "VmHWM") for p in process_tree(pid)) / 1024
+
+
+def rss_mb(pid: int) -> float:
+    return sum(_status_kb(p, "VmRSS") for p in process_tree(pid)) / 1024
+
+
+def reset_peak(pid: int) -> bool:
+    """Writing 5 to clear_refs resets VmHWM to the current RSS (Linux >= 4.0)."""
+    ok = True
+    for p in process_tree(pid):
         try:
-            via = f"http://127.0.0.1:{rp}/v1/chat/completions"
-            timed_calls(via, 3, "polar-warmup")
-            direct = timed_calls(fake.url + "/v1/chat/completions", args.calls, "x")
-            proxied = timed_calls(via, args.calls, "polar-bench~serial")
-            t0 = time.perf_counter()
-            with concurrent.futures.ThreadPoolExecutor(args.clients) as pool:
-                list(pool.map(lambda i: timed_calls(via, args.calls // 2 or 1, f"polar-bench~c{i}"),
-                              range(args.clients)))
-            wall = time.perf_counter() - t0
-            parallel_calls = args.clients * (args.calls // 2 or 1)
+            with open(f"/proc/{p}/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            ok = False
+    return ok
+
+
+def cpu_s(pids: list[int]) -> float:
+    total = 0
+    for root in pids:
+        for p in process_tree(root):
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])   # utime, stime (all threads)
+            except (OSError, IndexError, ValueError):
+                pass
+    return total / CLK_TCK
+
+
+def settle(pids: list[int], timeout: float = 60.0, window: float = 0.5, busy: float = 0.03) -> float:
+    """Wait until the processes use under `busy` of a core over `window` seconds; the
+    seconds waited (a proxy still working after its clients are done shows here)."""
+    t0 = time.perf_counter()
+    last = cpu_s(pids)
+    while time.perf_counter() - t0 < timeout:
+        time.sleep(window)
+        now = cpu_s(pids)
+        if now - last <= busy * window + 1.0 / CLK_TCK:
+            return time.perf_counter() - t0
+        last = now
+    return time.perf_counter() - t0
+
+
+def du_mb(path: Path) -> float:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total / 2**20
+
+
+# ---- the processes -------------------------------------------------------------------------
+
+
+class Fake:
+    """scripts/workload.py serve, in its own process (not sharing the clients' GIL)."""
+
+    def __init__(self, log: Path):
+        self.log = open(log, "ab")
+        self.proc = subprocess.Popen([sys.executable, str(Path(workload.__file__)), "serve"],
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     start_new_session=True)
+        line = self.proc.stdout.readline()
+        if not line.startswith("port "):
+            self.proc.kill()
+            raise RuntimeError(f"fake backend did not start: {line!r}")
+        self.port = int(line.split()[1])
+        self.url = f"http://{HOST}:{self.port}"
+
+    def stats(self) -> dict:
+        async def get():
+            conn = workload.HttpConn(HOST, self.port)
+            try:
+                return orjson.loads((await conn.request("GET", "/_bench/stats", {}))[1])
+            finally:
+                conn.close()
+        return asyncio.run(get())
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def start_plain(backend: str, work: Path, flow_detail: int | None) -> tuple[launch.Service, int]:
+    """mitmdump with the same modes and mitmproxy options as launch.start_proxy, no addon."""
+    port, rp = launch.free_port(), launch.free_port()
+    argv = [launch.mitmdump_path(), "--listen-host", HOST, "--mode", f"regular@{port}",
+            "--mode", f"reverse:{backend}@{rp}", "--set", f"confdir={work / 'plain-conf'}",
+            "--set", "connection_strategy=lazy", "--set", "upstream_cert=false"]
+    if flow_detail is not None:
+        argv += ["--set", f"flow_detail={flow_detail}"]
+    service = launch.Service("mitmdump-plain", argv, None, work / "plain-mitmdump.log")
+    try:
+        launch.wait_port(port, service)
+        launch.wait_port(rp, service)
+    except BaseException:
+        service.stop()
+        raise
+    return service, rp
+
+
+def start_polar(backend: str, work: Path, flow_detail: int | None) -> tuple[launch.Service, int, int, Path]:
+    store = work / "polar-store"
+    store.mkdir(parents=True, exist_ok=True)
+    db = store / "calls.duckdb"
+    port, rp = launch.free_port(), launch.free_port()
+    sets = [f"flow_detail={flow_detail}"] if flow_detail is not None else None
+    service = launch.start_proxy(db=db, backend=backend, port=port, confdir=work / "polar-conf",
+                                 log_path=work / "polar-mitmdump.log", reverse_port=rp, extra_sets=sets)
+    return service, port, rp, db
+
+
+def polar_health(port: int) -> dict:
+    async def get():
+        conn = workload.HttpConn(HOST, port)
+        try:
+            status, data = await conn.request("GET", "http://polar.health/_polar/health", {})
+            return orjson.loads(data) if status == 200 else {"status": status}
         finally:
-            proxy.stop()
-    d, p = statistics.median(direct), statistics.median(proxied)
-    print(f"median latency direct to backend : {d:8.2f} ms")
-    print(f"median latency through the proxy : {p:8.2f} ms   (x{p / d:.1f}, +{p - d:.1f} ms per call, "
-          f"record committed before the answer)")
-    serial_rate = 1000 / p
-    rate = parallel_calls / wall
-    print(f"throughput, 1 client             : {serial_rate:8.1f} calls/s")
-    print(f"throughput, {args.clients} clients           : {rate:8.1f} calls/s   "
-          f"(x{rate / serial_rate:.1f}: group commit shares one transaction among waiting calls)")
-    rows = query(work / "bench.duckdb", "SELECT count(*) FROM calls")[1][0][0]
-    print(f"rows recorded                    : {rows:8d}   (every call)")
+            conn.close()
+    try:
+        return asyncio.run(get())
+    except (OSError, ValueError) as e:
+        return {"error": repr(e)}
+
+
+# ---- measuring -----------------------------------------------------------------------------
+
+
+def pct(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100) of an ascending list."""
+    if not sorted_values:
+        return float("nan")
+    k = (len(sorted_values) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
+
+
+def summarize(windows: list[list[workload.CallRecord]]) -> dict:
+    """Pooled over measurement windows (rounds); wall is the sum of the windows' walls."""
+    records = [r for w in windows for r in w]
+    ok = sorted(r.ms for r in records if r.status == 200 and not r.error)
+    by_turn: dict[int, list[float]] = {}
+    size_by_turn: dict[int, list[int]] = {}
+    for r in records:
+        if r.status == 200 and not r.error:
+            by_turn.setdefault(r.turn, []).append(r.ms)
+        size_by_turn.setdefault(r.turn, []).append(r.request_bytes)
+    wall = sum(max(r.end for r in w) - min(r.start for r in w) for w in windows if w)
+    return {"calls": len(records), "ok": len(ok), "errors": len(records) - len(ok),
+            "first_errors": [r.error for r in records if r.error or r.status != 200][:3],
+            "wall_s": wall, "calls_per_s": len(ok) / wall if wall else 0.0,
+            "p50_ms": pct(ok, 50), "p90_ms": pct(ok, 90), "p99_ms": pct(ok, 99),
+            "mean_ms": statistics.fmean(ok) if ok else float("nan"), "max_ms": ok[-1] if ok else float("nan"),
+            "p50_by_turn_ms": {t: statistics.median(v) for t, v in sorted(by_turn.items())},
+            "body_kb_by_turn": {t: statistics.fmean(v) / 1024 for t, v in sorted(size_by_turn.items())}}
+
+
+def run_load(port: int, sessions: list[workload.Session], concurrency: int) -> list[workload.CallRecord]:
+    return asyncio.run(workload.run_clients(HOST, port, sessions, concurrency))
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="polar-bench-"))
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.run_id = f"{int(time.time()) % 100000:05d}"
+        self.fake = self.plain = self.polar = None
+        self.ports: dict[str, int] = {}
+        self.results: list[dict] = []
+        self.soak: dict | None = None
+        self.answered_by_polar = 0
+
+    def start(self):
+        self.fake = Fake(self.work / "fake.log")
+        self.plain, plain_rp = start_plain(self.fake.url, self.work, self.args.flow_detail)
+        self.polar, self.polar_port, polar_rp, self.db = start_polar(self.fake.url, self.work,
+                                                                      self.args.flow_detail)
+        self.ports = {"direct": self.fake.port, "plain": plain_rp, "polar": polar_rp}
+        self.proc = {"direct": None, "plain": self.plain.proc.pid, "polar": self.polar.proc.pid}
+        self.servers = [self.fake.proc.pid, self.plain.proc.pid, self.polar.proc.pid]
+
+    def stop(self):
+        for s in (self.polar, self.plain):
+            if s is not None:
+                s.stop()
+        if self.fake is not None:
+            self.fake.stop()
+
+    def warm_up(self):
+        for cfg in CONFIGS:
+            sessions = workload.make_sessions(2, style=self.args.style, prefix=f"warm{self.run_id}-{cfg}",
+                                              turns=3, first_seed=10**6)
+            recs = run_load(self.ports[cfg], sessions, 2)
+            bad = [r for r in recs if r.error or r.status != 200]
+            if bad:
+                raise RuntimeError(f"warm-up through {cfg} failed: {bad[0].status} {bad[0].error}")
+            if cfg == "polar":
+                self.answered_by_polar += len(recs)
+
+    def measure(self, cfg: str, concurrency: int, round_: int = 0) -> dict:
+        """One measurement window; the same sessions (content) for every config of a round."""
+        a = self.args
+        n = max(concurrency * a.sessions, a.min_sessions)
+        sessions = workload.make_sessions(n, style=a.style, prefix=f"b{self.run_id}-{cfg}-c{concurrency}-r{round_}",
+                                          turns=a.turns, first_seed=concurrency * 1000 + round_ * 100_000)
+        pid = self.proc[cfg]
+        waited = settle(self.servers)
+        if pid:
+            reset_peak(pid)
+        before = self.fake.stats()
+        proxy0 = cpu_s([pid]) if pid else 0.0
+        fake0, self0 = cpu_s([self.fake.proc.pid]), time.process_time()
+        records = run_load(self.ports[cfg], sessions, concurrency)
+        proxy1 = cpu_s([pid]) if pid else 0.0
+        fake1, self1 = cpu_s([self.fake.proc.pid]), time.process_time()
+        after_s = settle(self.servers)
+        proxy2 = cpu_s([pid]) if pid else 0.0
+        after = self.fake.stats()
+        part = {"records": records, "sessions": n, "settle_before_s": waited, "settle_after_s": after_s,
+                "proxy_cpu_s": proxy1 - proxy0, "proxy_deferred_cpu_s": proxy2 - proxy1,
+                "fake_cpu_s": fake1 - fake0, "client_cpu_s": self1 - self0,
+                "peak_rss_mb": peak_rss_mb(pid) if pid else None, "rss_after_mb": rss_mb(pid) if pid else None,
+                "backend_requests": {k: after.get(k, 0) - before.get(k, 0) for k in after
+                                     if after.get(k, 0) != before.get(k, 0) and k != "/_bench/stats"}}
+        if cfg == "polar":
+            self.answered_by_polar += sum(1 for r in records if r.status == 200 and not r.error)
+        return part
+
+    @staticmethod
+    def combine(cfg: str, concurrency: int, parts: list[dict]) -> dict:
+        """The rounds of one (config, concurrency) pooled: percentiles over all calls,
+        calls/s over the summed windows, peak RSS the highest of the windows."""
+        res = summarize([p["records"] for p in parts])
+        ok = max(res["ok"], 1)
+        proxied = parts[0]["peak_rss_mb"] is not None
+        requests: dict[str, int] = {}
+        for p in parts:
+            for k, v in p["backend_requests"].items():
+                requests[k] = requests.get(k, 0) + v
+        res.update(config=cfg, concurrency=concurrency, rounds=len(parts),
+                   sessions=sum(p["sessions"] for p in parts),
+                   settle_after_s=max(p["settle_after_s"] for p in parts),
+                   proxy_cpu_ms_per_call=sum(p["proxy_cpu_s"] for p in parts) * 1000 / ok if proxied else None,
+                   proxy_deferred_cpu_ms_per_call=(sum(p["proxy_deferred_cpu_s"] for p in parts) * 1000 / ok
+                                                   if proxied else None),
+                   fake_cpu_ms_per_call=sum(p["fake_cpu_s"] for p in parts) * 1000 / ok,
+                   client_cpu_ms_per_call=sum(p["client_cpu_s"] for p in parts) * 1000 / ok,
+                   # the first round's window: later rounds start from RSS kept after 64 clients
+                   peak_rss_mb=parts[0]["peak_rss_mb"],
+                   peak_rss_max_mb=max(p["peak_rss_mb"] for p in parts) if proxied else None,
+                   rss_after_mb=parts[-1]["rss_after_mb"], backend_requests=requests,
+                   windows=[{k: v for k, v in p.items() if k != "records"} | {"calls": len(p["records"])}
+                            for p in parts],
+                   raw_columns=["round", "session", "turn", "style", "request_bytes", "start_s", "ms", "status"],
+                   raw=[[i, r.session, r.turn, r.style, r.request_bytes, round(r.start - t0, 4), round(r.ms, 3),
+                         r.status]
+                        for i, p in enumerate(parts) if p["records"]
+                        for t0 in [min(x.start for x in p["records"])] for r in p["records"]])
+        return res
+
+    def run_soak(self, seconds: float, clients: int) -> dict:
+        """polar alone, clients keep starting new sessions until the time is up."""
+        bucket = 60.0 if seconds >= 120 else max(seconds / 4, 1.0)
+        pid, store = self.proc["polar"], self.db.parent
+        settle(self.servers)
+        reset_peak(pid)
+        samples = []
+        start = time.perf_counter()
+        deadline = start + seconds
+        prefix = f"soak{self.run_id}"
+
+        def new_session(i):
+            return workload.make_sessions(1, style=self.args.style if self.args.style != "mix"
+                                          else workload.STYLES[i % 2], prefix=f"{prefix}-{i}",
+                                          turns=self.args.turns, first_seed=10**5 + i)[0]
+
+        async def sampler():
+            while time.perf_counter() < deadline:
+                samples.append({"t": time.perf_counter() - start, "rss_mb": rss_mb(pid),
+                                "store_mb": du_mb(store), "cpu_s": cpu_s([pid])})
+                await asyncio.sleep(min(5.0, bucket / 4))
+
+        async def go():
+            task = asyncio.create_task(sampler())
+            recs = await workload.run_clients(HOST, self.ports["polar"], [], clients, deadline=deadline,
+                                              new_session=new_session)
+            await task
+            return recs
+
+        print(f"soak: polar, {clients} clients, {seconds:.0f} s ...", file=sys.stderr, flush=True)
+        records = asyncio.run(go())
+        ok = [r for r in records if r.status == 200 and not r.error]
+        self.answered_by_polar += len(ok)
+        nb = max(int(seconds // bucket), 1)
+        buckets = []
+        for b in range(nb):
+            lo, hi = start + b * bucket, start + (b + 1) * bucket
+            inb = sorted(r.ms for r in ok if lo <= r.end < hi)
+            smp = [s for s in samples if b * bucket <= s["t"] < (b + 1) * bucket]
+            buckets.append({"from_s": b * bucket, "to_s": (b + 1) * bucket, "calls": len(inb),
+                            "calls_per_s": len(inb) / bucket, "p50_ms": pct(inb, 50), "p99_ms": pct(inb, 99),
+                            "rss_mb": smp[-1]["rss_mb"] if smp else None,
+                            "store_mb": smp[-1]["store_mb"] if smp else None})
+        return {"seconds": seconds, "clients": clients, "bucket_s": bucket, "calls": len(records),
+                "errors": len(records) - len(ok), "buckets": buckets, "peak_rss_mb": peak_rss_mb(pid),
+                "settle_after_s": settle(self.servers), "samples": samples}
+
+
+def recorded_rows(db: Path) -> str:
+    """Rows in the calls table, read with the public CLI after the proxy stopped."""
+    exe = Path(sys.executable).parent / "polar-mitm"
+    try:
+        out = subprocess.run([str(exe), "sql", "--db", str(db), "--format", "csv",
+                              "SELECT count(*) FROM calls"], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"? ({e!r})"
+    lines = out.stdout.strip().splitlines()
+    return lines[-1] if out.returncode == 0 and lines else f"? ({out.stderr.strip()[-200:]})"
+
+
+# ---- report --------------------------------------------------------------------------------
+
+
+def fmt(v, spec=".1f", none="-"):
+    return none if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def print_table(by: dict, concs: list[int]) -> None:
+    print()
+    head = (f"{'config':7s} {'clients':>7s} {'calls':>6s} {'err':>4s} {'p50 ms':>8s} {'p99 ms':>8s} "
+            f"{'+p50 ms':>8s} {'+p99 ms':>8s} {'calls/s':>8s} {'cpu ms/call':>12s} {'deferred':>9s} "
+            f"{'peak RSS MB':>11s}")
+    print(head)
+    print("-" * len(head))
+    for c in concs:
+        d = by.get(("direct", c))
+        for cfg in CONFIGS:
+            r = by.get((cfg, c))
+            if not r:
+                continue
+            add50 = r["p50_ms"] - d["p50_ms"] if d and cfg != "direct" else None
+            add99 = r["p99_ms"] - d["p99_ms"] if d and cfg != "direct" else None
+            print(f"{cfg:7s} {c:7d} {r['calls']:6d} {r['errors']:4d} {fmt(r['p50_ms']):>8s} "
+                  f"{fmt(r['p99_ms']):>8s} {fmt(add50):>8s} {fmt(add99):>8s} {fmt(r['calls_per_s']):>8s} "
+                  f"{fmt(r['proxy_cpu_ms_per_call'], '.2f'):>12s} "
+                  f"{fmt(r['proxy_deferred_cpu_ms_per_call'], '.2f'):>9s} {fmt(r['peak_rss_mb']):>11s}")
+    print("(+pXX: the percentile minus direct's at the same concurrency; cpu ms/call: the mitmdump "
+          "process tree's CPU while the clients ran, per call; deferred: its CPU per call after the "
+          "clients finished, until idle; peak RSS: VmHWM of the mitmdump tree in round 1's window, reset "
+          "before it (memory kept from earlier windows counts))")
+
+
+def report(bench: Bench, results: list[dict], soak: dict | None, extra: dict) -> bool:
+    by = {(r["config"], r["concurrency"]): r for r in results}
+    concs = sorted({r["concurrency"] for r in results})
+    allr = [r for r in results if r["config"] == "direct"]
+    kb = {}
+    for r in allr:
+        for t, v in r["body_kb_by_turn"].items():
+            kb.setdefault(int(t), []).append(v)
+    if kb:
+        print(f"workload: {bench.args.style} sessions of {bench.args.turns} turns, request body "
+              f"{statistics.fmean(kb[min(kb)]):.0f} KB at turn {min(kb)} -> "
+              f"{statistics.fmean(kb[max(kb)]):.0f} KB at turn {max(kb)}")
+    if results:
+        print_table(by, concs)
+    for c in concs:
+        r = by.get(("polar", c))
+        if r:
+            per = {k: v / max(r["ok"], 1) for k, v in r["backend_requests"].items()}
+            print(f"polar at {c} clients: peak RSS {r['peak_rss_max_mb']:.1f} MB over all rounds, "
+                  f"{r['rss_after_mb']:.1f} MB after; backend requests per call "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in sorted(per.items()))
+                  + f"; idle {r['settle_after_s']:.1f} s after the clients finished")
+    if soak:
+        print()
+        print(f"soak: polar, {soak['clients']} clients, {soak['seconds']:.0f} s, {soak['calls']} calls, "
+              f"{soak['errors']} errors, peak RSS {soak['peak_rss_mb']:.1f} MB")
+        print(f"{'from s':>7s} {'to s':>6s} {'calls':>6s} {'calls/s':>8s} {'p50 ms':>8s} {'p99 ms':>8s} "
+              f"{'RSS MB':>7s} {'store MB':>9s}")
+        for b in soak["buckets"]:
+            print(f"{b['from_s']:7g} {b['to_s']:6g} {b['calls']:6d} {b['calls_per_s']:8.1f} "
+                  f"{fmt(b['p50_ms']):>8s} {fmt(b['p99_ms']):>8s} {fmt(b['rss_mb']):>7s} "
+                  f"{fmt(b['store_mb']):>9s}")
+    print()
+    for k, v in extra.items():
+        print(f"{k}: {v}")
+    print()
+
+    checks: list[tuple[bool, str]] = []
+    for c in concs:
+        p, q, d = by.get(("polar", c)), by.get(("plain", c)), by.get(("direct", c))
+        if p and q and d:
+            ap, aq = p["p50_ms"] - d["p50_ms"], q["p50_ms"] - d["p50_ms"]
+            checks.append((ap <= aq + 10, f"added p50 at {c:2d} clients: polar {ap:7.1f} ms <= plain "
+                                          f"{aq:.1f} + 10 ms"))
+    top = 64 if 64 in concs else (max(concs) if concs else None)
+    p, q, d = by.get(("polar", top)), by.get(("plain", top)), by.get(("direct", top))
+    if p and q and d:
+        ap, aq = p["p99_ms"] - d["p99_ms"], q["p99_ms"] - d["p99_ms"]
+        checks.append((ap <= aq + 50, f"added p99 at {top} clients: polar {ap:7.1f} ms <= plain {aq:.1f} + 50 ms"))
+        ratio = p["calls_per_s"] / q["calls_per_s"] if q["calls_per_s"] else 0.0
+        checks.append((ratio >= 0.5, f"calls/s at {top} clients: polar {p['calls_per_s']:.1f} >= 0.5 x plain "
+                                     f"{q['calls_per_s']:.1f} (x{ratio:.2f})"))
+        checks.append((p["peak_rss_max_mb"] < 250, f"peak RSS at {top} clients (all rounds): polar "
+                                                   f"{p['peak_rss_max_mb']:.1f} MB < 250 MB (plain "
+                                                   f"{q['peak_rss_max_mb']:.1f} MB)"))
+    for c in concs:
+        p, q = by.get(("polar", c)), by.get(("plain", c))
+        if p and q and c != top and q["calls_per_s"]:
+            print(f"info: calls/s at {c} clients: polar {p['calls_per_s']:.1f}, plain {q['calls_per_s']:.1f} "
+                  f"(x{p['calls_per_s'] / q['calls_per_s']:.2f}; latency-bound below saturation)")
+    if soak:
+        b = soak["buckets"]
+        first, last = b[0]["calls_per_s"], b[-1]["calls_per_s"]
+        checks.append((bool(first) and last >= 0.9 * first,
+                       f"soak: last {soak['bucket_s']:.0f} s {last:.1f} calls/s >= 0.9 x first {first:.1f} "
+                       f"(x{last / first if first else 0:.2f})"))
+    errors = sum(r["errors"] for r in results) + (soak["errors"] if soak else 0)
+    checks.append((errors == 0, f"failed calls: {errors}"))
+    for ok, text in checks:
+        print(f"{'PASS' if ok else 'FAIL'}  {text}")
+    return all(ok for ok, _ in checks)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", default="1,8,64", help="client counts, comma-separated")
+    ap.add_argument("--sessions", type=int, default=1, help="20-turn sessions per client")
+    ap.add_argument("--min-sessions", type=int, default=16,
+                    help="at least this many sessions per measurement (for low concurrency)")
+    ap.add_argument("--turns", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="measurement rounds, pooled; each round runs every concurrency and config "
+                         "back to back, so load from elsewhere on the machine hits all three alike")
+    ap.add_argument("--style", choices=("mix", *workload.STYLES), default="mix",
+                    help="mix: sessions alternate OpenAI Chat and Anthropic Messages")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="subset of direct,plain,polar")
+    ap.add_argument("--soak", type=float, default=0, help="then run polar alone this many seconds (e.g. 600)")
+    ap.add_argument("--soak-clients", type=int, default=8)
+    ap.add_argument("--flow-detail", type=int, default=None,
+                    help="mitmproxy flow_detail for both mitmdumps (default: mitmdump's own, as "
+                         "polar-mitm up runs it)")
+    ap.add_argument("--workdir", help="where the proxies keep their files (default: a new temp dir)")
+    ap.add_argument("--out", help="raw results as JSON (default: /tmp/polar-bench-gateway-<time>.json)")
+    args = ap.parse_args(argv)
+    concs = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    configs = [c for c in CONFIGS if c in args.configs.split(",")]
+    out = Path(args.out or f"/tmp/polar-bench-gateway-{time.strftime('%Y%m%d-%H%M%S')}.json")
+
+    bench = Bench(args)
+    t_start = time.perf_counter()
+    load_before = os.getloadavg()
+    results, soak, extra = [], None, {}
+    try:
+        bench.start()
+        print(f"work dir {bench.work}; fake backend :{bench.fake.port}, plain mitmdump :{bench.ports['plain']}, "
+              f"polar :{bench.ports['polar']} (reverse mode)", file=sys.stderr, flush=True)
+        bench.warm_up()
+        parts: dict[tuple[str, int], list[dict]] = {}
+        for rnd in range(args.rounds):
+            for c in concs:
+                for cfg in configs:   # side by side: the three configs back to back, every round
+                    p = bench.measure(cfg, c, rnd)
+                    parts.setdefault((cfg, c), []).append(p)
+                    one = summarize([p["records"]])
+                    print(f"  round {rnd + 1}/{args.rounds} {cfg:6s} {c:3d} clients: {one['calls']} calls in "
+                          f"{one['wall_s']:.1f} s, p50 {one['p50_ms']:.1f} ms, {one['errors']} errors",
+                          file=sys.stderr, flush=True)
+        results = [bench.combine(cfg, c, parts[(cfg, c)]) for c in concs for cfg in configs]
+        if args.soak > 0 and "polar" in configs:
+            soak = bench.run_soak(args.soak, args.soak_clients)
+        health = polar_health(bench.polar_port)
+        extra["polar calls answered (health endpoint)"] = (
+            f"{health.get('calls')} (this bench got {bench.answered_by_polar} answers with status 200 "
+            "through polar, warm-up included)")
+    finally:
+        bench.stop()
+    if bench.polar is not None:
+        extra["rows in the calls table after stop (polar-mitm sql)"] = recorded_rows(bench.db)
+        extra["polar store on disk"] = f"{du_mb(bench.db.parent):.1f} MB in {bench.db.parent}"
+    extra["bench wall time"] = f"{time.perf_counter() - t_start:.0f} s"
+    extra["load average (1 min) before / after, on"] = (
+        f"{load_before[0]:.2f} / {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs (other work on the "
+        "machine shows here and makes every number noisier)")
+    ok = report(bench, results, soak, extra)
+    out.write_text(json.dumps({"args": vars(args), "results": results, "soak": soak, "extra": extra,
+                               "workdir": str(bench.work)}, indent=1, default=str))
+    print(f"\nraw results: {out}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -127,7 +127,7 @@ def main() -> None:
 
     before, after = size_of(old_db), size_of(new_db)
     check = query(new_db, "SELECT count(*), count(base_call), sum(length(request_middle)), "
-                          "sum(len(prompt_suffix)), sum(prompt_len) FROM call_records")[1][0]
+                          "sum(len(prompt_suffix::INTEGER[])), sum(prompt_len) FROM call_records")[1][0]
     rows, deltas, middle_chars, suffix_ids, prompt_ids = check
     per = args.sessions
     print(f"storage, {per} sessions x {args.turns} turns = {n} calls "

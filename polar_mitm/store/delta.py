@@ -107,18 +107,19 @@ def join_ids(prompt: bytes, tokens: bytes | None) -> bytes:
     return prompt[:-1] + b"," + tokens[1:]
 
 
-def shared_ids(base: bytes, ids: bytes) -> int:
-    """How many leading ids two JSON id lists share: those whose separator (`,` or `]`)
-    lies inside their common prefix, or right at its end in both."""
+def shared_ids(base: bytes, ids: bytes) -> tuple[int, int]:
+    """How many leading ids two JSON id lists share (those whose separator, `,` or `]`,
+    lies inside their common prefix, or right at its end in both), and the index in `ids`
+    of the last shared one's separator (0 when none is shared)."""
     if len(ids) <= 2 or len(base) <= 2:
-        return 0
+        return 0, 0
     p = common_prefix(base, ids)
     if p >= len(ids):
-        return count_ids(ids)
-    n = ids.count(b",", 0, p)
+        return count_ids(ids), len(ids) - 1
     if ids[p:p + 1] in (b",", b"]") and base[p:p + 1] in (b",", b"]"):
-        n += 1
-    return n
+        return ids.count(b",", 0, p) + 1, p
+    cut = ids.rfind(b",", 0, p)
+    return (ids.count(b",", 0, cut) + 1, cut) if cut > 0 else (0, 0)
 
 
 @dataclass
@@ -146,7 +147,7 @@ class DeltaCache:
     """The last few calls of each session, to compute deltas against; least recently used
     sessions are forgotten past `budget` bytes (their next call is then stored whole)."""
 
-    def __init__(self, budget: int = 32 << 20, per_session: int = 3):
+    def __init__(self, budget: int = 64 << 20, per_session: int = 3):
         self.budget = budget
         self.per_session = per_session
         self._sessions: OrderedDict[str, list[_Entry]] = OrderedDict()
@@ -162,11 +163,11 @@ class DeltaCache:
         whole = CallDelta(None, 0, 0, text, 0, prompt)
         if not entries:
             return whole
-        best, best_shared = None, -1
+        best, best_shared, cut = None, -1, 0
         for e in reversed(entries):   # newest first: ties go to the most recent call
-            shared = shared_ids(e.ids, prompt) if prompt else 0
+            shared, at = shared_ids(e.ids, prompt) if prompt else (0, 0)
             if shared > best_shared:
-                best, best_shared = e, shared
+                best, best_shared, cut = e, shared, at
         if not prompt:   # no prompt ids (a failed call): the text decides
             best = max(reversed(entries), key=lambda e: common_prefix(e.text, text))
         d = text_delta(best.text, text)
@@ -177,7 +178,6 @@ class DeltaCache:
         if prompt is not None:
             suffix = prompt
             if best_shared:
-                cut = _nth_comma(prompt, best_shared)
                 suffix = b"[" + prompt[cut + 1:] if cut < len(prompt) - 1 else b"[]"
         return CallDelta(best.call_id, d.prefix, d.suffix, d.middle,
                          best_shared if prompt is not None else 0, suffix)
@@ -198,13 +198,3 @@ class DeltaCache:
     def size(self) -> int:
         return self._size
 
-
-def _nth_comma(text: bytes, n: int) -> int:
-    """Index of the n-th comma (1-based), or of the closing bracket if there are fewer."""
-    at = 0
-    for _ in range(n):
-        nxt = text.find(b",", at)
-        if nxt < 0:
-            return len(text) - 1
-        at = nxt + 1
-    return at - 1

@@ -94,7 +94,8 @@ MIGRATIONS: list[str] = [
         backend_params       JSON,         -- what vLLM got, but messages and tools
         response_json        JSON,
         prompt_shared        INTEGER,      -- ids kept from the base's prompt + token ids
-        prompt_suffix        INTEGER[],    -- ids after them (NULL: no prompt ids)
+        prompt_suffix        VARCHAR,      -- ids after them, as JSON text (NULL: no prompt ids):
+                                           -- DuckDB's WAL for a list grows with its row group
         prompt_len           INTEGER,
         token_ids            INTEGER[],
         logprobs             FLOAT[],
@@ -117,7 +118,7 @@ MIGRATIONS: list[str] = [
                served_model, status_code, NULL, 0, 0,
                CASE WHEN json_type(request_json) = 'VARCHAR' THEN request_json->>'$'
                     ELSE request_json::VARCHAR END,
-               NULL, backend_request_json, response_json, 0, prompt_token_ids,
+               NULL, backend_request_json, response_json, 0, prompt_token_ids::VARCHAR,
                len(prompt_token_ids), token_ids, logprobs, finish_reason, prompt_tokens,
                completion_tokens, usage_json, queue_ms, backend_ms, total_ms, error,
                error_kind, policy_version, dropped, started_at, created_at
@@ -126,7 +127,7 @@ MIGRATIONS: list[str] = [
     DROP TABLE calls;
     CREATE VIEW calls AS
         WITH RECURSIVE whole(call_id, request_text, prompt_token_ids, token_ids) AS (
-            SELECT call_id, request_middle, prompt_suffix, token_ids
+            SELECT call_id, request_middle, prompt_suffix::INTEGER[], token_ids
             FROM call_records WHERE base_call IS NULL
             UNION ALL
             SELECT c.call_id,
@@ -134,7 +135,7 @@ MIGRATIONS: list[str] = [
                        || right(w.request_text, c.request_suffix),
                    CASE WHEN c.prompt_suffix IS NOT NULL THEN
                        list_concat(coalesce(w.prompt_token_ids, []), coalesce(w.token_ids, []))[1:c.prompt_shared]
-                       || c.prompt_suffix END,
+                       || c.prompt_suffix::INTEGER[] END,
                    c.token_ids
             FROM call_records c JOIN whole w ON c.base_call = w.call_id
         )

@@ -81,6 +81,7 @@ def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None 
                 ids, current = {}, session_id
             prompt = None
             if suffix is not None:
+                suffix = orjson.loads(suffix)
                 if base is None:
                     prompt = suffix
                 elif base in ids:

@@ -48,7 +48,7 @@ _ARROW_TYPES = {
 }
 _SESSION_COLUMNS = ("session_id", "task_id", "source", "client", "user_agent")
 _STOP = object()
-FRESH_MAX = 4000          # records handed to the loader in memory, at most
+FRESH_MAX_BYTES = 48 << 20   # log bytes whose records wait for the loader in memory, at most
 POSITION_KEY = "log_position"
 # DuckDB 2.0 rewrites a table's last row group at each checkpoint (leaving its old blocks
 # free in the file), and each commit's WAL for a list column grows with the rows appended
@@ -56,7 +56,7 @@ POSITION_KEY = "log_position"
 # are rare (a WAL of 256 MB), and the loader uses one thread and a small cache, since the
 # proxy's own work needs the CPUs and the memory.
 ROW_GROUP_ROWS = 2048
-LOADER_SETTINGS = ("SET threads = 1", "SET memory_limit = '128MB'",
+LOADER_SETTINGS = ("SET threads = 1", "SET memory_limit = '64MB'",
                    "SET checkpoint_threshold = '256MB'")
 
 
@@ -75,7 +75,7 @@ class CallWriter:
         self._appended = 0                 # lines appended but maybe not loaded yet
         self._loaded_upto = 0
         self._deltas = DeltaCache()       # the loader's recent calls per session
-        self._fresh: collections.deque = collections.deque()   # (start, end, records) appended
+        self._fresh: collections.deque = collections.deque()   # (start, end, records, bytes) appended
         self._fresh_count = 0
         self._fresh_lock = threading.Lock()
         self._con = None                  # the loader's connection, while calls keep coming
@@ -204,11 +204,12 @@ class CallWriter:
         if not lines:
             return
         # On failure (disk full) the batch's futures fail; the numbers it took leave a gap.
-        start, end = self._log.append(b"".join(lines))
+        data = b"".join(lines)
+        start, end = self._log.append(data)
         with self._fresh_lock:
-            self._fresh.append((start, end, entries))
-            self._fresh_count += len(entries)
-            if self._fresh_count > FRESH_MAX:   # the loader is held up: it reads the log instead
+            self._fresh.append((start, end, entries, len(data)))
+            self._fresh_count += len(data)
+            if self._fresh_count > FRESH_MAX_BYTES:   # the loader is held up: it reads the log
                 self._fresh.clear()
                 self._fresh_count = 0
         self.batches += 1
@@ -294,13 +295,13 @@ class CallWriter:
         handed them over: no need to read and parse them back from the log."""
         with self._fresh_lock:
             while self._fresh and self._fresh[0][1] <= self._position:
-                self._fresh_count -= len(self._fresh.popleft()[2])
+                self._fresh_count -= self._fresh.popleft()[3]
             if not self._fresh or self._fresh[0][0] != self._position:
                 return None, self._position
             entries, end = [], self._position
             while self._fresh and self._fresh[0][0] == end and len(entries) < 2000:
-                start, end, batch = self._fresh.popleft()
-                self._fresh_count -= len(batch)
+                start, end, batch, size = self._fresh.popleft()
+                self._fresh_count -= size
                 entries += batch
             return entries, end
 
@@ -345,9 +346,7 @@ def load_entries(con, entries: list[dict], nxt: Position, deltas: DeltaCache | N
             con.register("call_table", _to_arrow(rows))
             con.execute("INSERT INTO sessions (session_id, task_id, source, client, user_agent) "
                         "SELECT * FROM session_table ON CONFLICT DO NOTHING")
-            # prompt ids come as JSON text, parsed by DuckDB (no Python int per id)
-            picked = cols.replace("prompt_suffix", "CAST(prompt_suffix AS INTEGER[])")
-            con.execute(f"INSERT INTO call_records ({cols}) SELECT {picked} FROM call_table "
+            con.execute(f"INSERT INTO call_records ({cols}) SELECT {cols} FROM call_table "
                         "ON CONFLICT DO NOTHING")
         con.execute("INSERT INTO meta VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
                     [POSITION_KEY, nxt.encode()])

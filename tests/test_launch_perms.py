@@ -1,0 +1,83 @@
+"""What the proxy writes (its log, the CA files in its confdir, the database, its WAL and
+call log) is readable by its own user only, whatever the launching shell's umask."""
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from fake_vllm import FakeVLLM
+from polar_mitm import launch
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_open_private_log_narrows_an_old_log(tmp_path):
+    old = tmp_path / "logs" / "vllm.log"
+    old.parent.mkdir()
+    old.write_text("earlier run\n")
+    old.chmod(0o644)
+    with launch.open_private_log(old) as f:
+        f.write(b"more\n")
+    assert mode(old) == 0o600 and old.read_text() == "earlier run\nmore\n"
+    fresh = tmp_path / "new" / "dir" / "x.log"
+    launch.open_private_log(fresh).close()
+    assert mode(fresh) == 0o600 and mode(fresh.parent) == 0o700
+
+
+def test_service_log_and_umask(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        log = tmp_path / "svc.log"
+        svc = launch.Service("umask", [sys.executable, "-c", "import os; print(oct(os.umask(0)))"],
+                             log_path=log, umask=launch.PRIVATE_UMASK)
+        svc.proc.wait(30)
+        assert log.read_text().strip() == "0o77" and mode(log) == 0o600
+        plain = launch.Service("plain", [sys.executable, "-c", "import os; print(oct(os.umask(0)))"],
+                               log_path=tmp_path / "plain.log")
+        plain.proc.wait(30)
+        assert (tmp_path / "plain.log").read_text().strip() == "0o22"   # others keep theirs
+    finally:
+        os.umask(previous)
+
+
+def test_proxy_files_are_private(tmp_path):
+    previous = os.umask(0o022)   # a typical login shell: files 0644, dirs 0755
+    try:
+        db = tmp_path / "data" / "calls.duckdb"
+        confdir = tmp_path / "conf"
+        log = tmp_path / "logs" / "mitmdump.log"
+        port, rport = launch.free_port(), launch.free_port()
+        with FakeVLLM() as fake:
+            proxy = launch.start_proxy(db=db, backend=fake.url, port=port, confdir=confdir,
+                                       log_path=log, reverse_port=rport)
+            try:
+                r = httpx.post(f"http://127.0.0.1:{rport}/v1/chat/completions", trust_env=False, timeout=30,
+                               headers={"authorization": "Bearer polar-perm~1"},
+                               json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+                assert r.status_code == 200
+                status = Path(f"/proc/{proxy.proc.pid}/status")
+                if status.exists():   # Linux: what everything the proxy creates gets
+                    umask = next(line.split()[1] for line in status.read_text().splitlines()
+                                 if line.startswith("Umask:"))
+                    assert int(umask, 8) == 0o077
+            finally:
+                proxy.stop()
+    finally:
+        os.umask(previous)
+    assert mode(log) == 0o600 and mode(log.parent) == 0o700
+    assert mode(confdir) == 0o700
+    made = [p for p in confdir.rglob("*")]
+    assert any(p.name == "mitmproxy-ca.pem" for p in made)
+    assert all(mode(p) == (0o700 if p.is_dir() else 0o600) for p in made), \
+        {p.name: oct(mode(p)) for p in made}
+    assert mode(db) == 0o600 and mode(db.parent) == 0o700
+    for p in tmp_path.joinpath("data").rglob("*"):   # WAL, call log, reader requests
+        assert mode(p) & 0o077 == 0, (p, oct(mode(p)))
+    # the harness (same user) still reads the CA certificate it is pointed at
+    assert subprocess.run(["cat", str(confdir / "mitmproxy-ca-cert.pem")], capture_output=True).returncode == 0

@@ -148,7 +148,7 @@ def up(db, backend, port, reverse_port, confdir, max_model_len):
     """Start vLLM (unless --backend) and the proxy; stop with Ctrl-C or SIGTERM."""
     _stop_on_sigterm()
     logs = cache_dir() / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(mode=0o700, parents=True, exist_ok=True)
     services, backend = _start_stack(db, backend, port, reverse_port, confdir, logs, max_model_len)
     try:
         click.echo(f"proxy ready: backend {backend}, database {db}\nharness environment:")

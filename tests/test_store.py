@@ -1,5 +1,6 @@
 """The store: migrations, group commit, and two processes sharing one file."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -204,6 +205,7 @@ def test_a_torn_log_line_does_not_swallow_the_next_call(tmp_path):
     seg = segment_path(log_dir(db), w._log.seg)
     w._queue.put(writer_module._STOP)   # the old process is gone
     w._log_thread.join(5)
+    os.close(w._lock_fd)                # (its writer lock with it)
     with open(seg, "ab") as f:         # a crash mid-append: half a line, never acknowledged
         f.write(b'{"s": {"session_id": "task-a~1"}, "r": {"call_id": "torn", "se')
     w2 = CallWriter(db).start()

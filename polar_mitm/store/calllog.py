@@ -83,15 +83,31 @@ class LogAppender:
 
     def append(self, data: bytes) -> tuple[Position, Position]:
         """Writes and fsyncs; returns where the data starts and ends in the log."""
+        if self._f is None:          # a failed append could not open the next segment
+            self._open()
         if self._size and self._size + len(data) > SEGMENT_BYTES:
             self.seg += 1
             self._open()
         start = Position(self.seg, self._size)
-        view = memoryview(data)
-        while view:
-            n = self._f.write(view)
-            view = view[n:]
-        os.fsync(self._f.fileno())
+        try:
+            view = memoryview(data)
+            while view:
+                n = self._f.write(view)
+                view = view[n:]
+            os.fsync(self._f.fileno())
+        except BaseException:
+            # A partial write (disk full) must not be followed by the next batch, glued to
+            # its half line: cut it off, and go on in a fresh segment whatever happens.
+            try:
+                os.ftruncate(self._f.fileno(), self._size)
+            except OSError:
+                pass
+            self.seg += 1
+            try:
+                self._open()
+            except OSError:
+                self._f = None
+            raise
         self._size += len(data)
         return start, Position(self.seg, self._size)
 

@@ -31,7 +31,7 @@ def _is_lock_error(e: Exception) -> bool:
     # The last one: this process already has the file open read-write (the writer), which
     # lets go once it sees the read request.
     return ("Could not set lock" in text or "Conflicting lock" in text
-            or "different configuration" in text)
+            or "different configuration" in text or "Unique file handle conflict" in text)
 
 
 def readers_dir(path: str | os.PathLike) -> Path:
@@ -169,6 +169,7 @@ def reading(path: str | os.PathLike, timeout: float = 30.0) -> Iterator[duckdb.D
         raise FileNotFoundError(f"no database at {path}")
     _catch_up_if_orphaned(path, timeout)
     with _announced(path):
+        _catch_up_if_orphaned(path, timeout)   # the proxy may have died while we waited
         con = connect(path, read_only=True, timeout=timeout)
         try:
             yield con

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import fcntl
 import logging
 import os
 import queue
@@ -50,6 +51,7 @@ _SESSION_COLUMNS = ("session_id", "task_id", "source", "client", "user_agent")
 _STOP = object()
 FRESH_MAX_BYTES = 48 << 20   # log bytes whose records wait for the loader in memory, at most
 POSITION_KEY = "log_position"
+WRITER_LOCK = ".writer.lock"   # in <db>.log/
 # DuckDB 2.0 rewrites a table's last row group at each checkpoint (leaving its old blocks
 # free in the file), and each commit's WAL for a list column grows with the rows appended
 # to that row group since the last checkpoint. Small row groups bound both; checkpoints
@@ -79,6 +81,7 @@ class CallWriter:
         self._fresh_count = 0
         self._fresh_lock = threading.Lock()
         self._con = None                  # the loader's connection, while calls keep coming
+        self._lock_fd: int | None = None
         self.idle_release = 2.0           # seconds without calls before it lets go
         self._ack_ms: dict[str, float] = {}   # call_id -> total_ms at its durable append
         self._stopping = threading.Event()
@@ -92,8 +95,18 @@ class CallWriter:
     # ---- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> "CallWriter":
-        self.salt = init_db(self.db_path, timeout=max(self.lock_timeout, 30))
         directory = log_dir(self.db_path)
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # One writer per database: a second one's loader would delete the first one's live
+        # log segments once it had loaded past them. Held until close, or the process dies.
+        self._lock_fd = os.open(directory / WRITER_LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+            raise StoreBusy(f"another proxy is already writing to {self.db_path}") from None
+        self.salt = init_db(self.db_path, timeout=max(self.lock_timeout, 30))
         with writing(self.db_path, timeout=max(self.lock_timeout, 30)) as con:
             row = con.execute("SELECT value FROM meta WHERE key = ?", [POSITION_KEY]).fetchone()
             self._position = Position.decode(row[0] if row else None)
@@ -138,6 +151,9 @@ class CallWriter:
             self._load_thread.join(timeout)
         if self._log:
             self._log.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)   # releases the flock
+            self._lock_fd = None
         marker = readers_dir(self.db_path) / LOADER_FILE
         try:
             if marker.read_text().strip() == str(os.getpid()):

@@ -54,12 +54,13 @@ POSITION_KEY = "log_position"
 WRITER_LOCK = ".writer.lock"   # in <db>.log/
 # DuckDB 2.0 rewrites a table's last row group at each checkpoint (leaving its old blocks
 # free in the file), and each commit's WAL for a list column grows with the rows appended
-# to that row group since the last checkpoint. Small row groups bound both; checkpoints
-# are rare (a WAL of 256 MB), and the loader uses one thread and a small cache, since the
-# proxy's own work needs the CPUs and the memory.
+# to that row group since the last checkpoint. Small row groups bound both. Data not yet
+# checkpointed stays in DuckDB's memory (and a reopened file replays its WAL there), so the
+# memory limit stays well above the checkpoint threshold: at 64 MB against a 256 MB WAL,
+# every load failed out of memory. One thread: the proxy's own work needs the CPUs.
 ROW_GROUP_ROWS = 2048
-LOADER_SETTINGS = ("SET threads = 1", "SET memory_limit = '64MB'",
-                   "SET checkpoint_threshold = '256MB'")
+LOADER_SETTINGS = ("SET threads = 1", "SET memory_limit = '256MB'",
+                   "SET checkpoint_threshold = '32MB'")
 
 
 class CallWriter:

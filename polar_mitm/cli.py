@@ -108,6 +108,9 @@ def _stop_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)   # once: the cleanup must not be cut short
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, interrupt)
+    # Ctrl-C too, even when started with SIGINT ignored (a background job of a script):
+    # Python then keeps it ignored, and the stack could only be stopped by SIGTERM.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _start_stack(db, backend, port, reverse_port, confdir, logs: Path, max_model_len):

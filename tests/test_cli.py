@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import openai
 
 from fake_vllm import FakeVLLM
@@ -61,16 +62,19 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def test_up_stops_everything_on_sigterm(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_up_stops_everything_on_sigterm(tmp_path, sig):
     """systemd, docker and kill send SIGTERM: mitmdump must not stay behind, listening and
-    holding the database."""
+    holding the database. Ctrl-C too, when `up` was started with SIGINT ignored, as a script's
+    background job is (`nohup ... &`): Python would keep ignoring it."""
     port, rport = launch.free_port(), launch.free_port()
     with FakeVLLM() as fake:
         p = subprocess.Popen(CLI + ["up", "--db", str(tmp_path / "r.duckdb"), "--backend", fake.url,
                                     "--port", str(port), "--reverse-port", str(rport),
                                     "--confdir", str(tmp_path / "conf")],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env={**os.environ, "POLAR_MITM_CACHE": str(tmp_path / "cache")})
+                             env={**os.environ, "POLAR_MITM_CACHE": str(tmp_path / "cache")},
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
         mitmdump = None
         try:
             deadline = time.monotonic() + 60
@@ -78,8 +82,8 @@ def test_up_stops_everything_on_sigterm(tmp_path):
                 pass
             assert httpx.get(f"http://127.0.0.1:{rport}/v1/models", timeout=5, trust_env=False).status_code == 200
             (mitmdump,) = children(p.pid)
-            p.send_signal(signal.SIGTERM)
-            p.wait(10)
+            p.send_signal(sig)
+            p.wait(30)
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline and Path(f"/proc/{mitmdump}").exists():
                 time.sleep(0.1)

@@ -151,6 +151,8 @@ class PolarGateway:
         if "polar_served_model" in updated or "polar_backend" in updated:
             self._served_model = ctx.options.polar_served_model or None
             self._model_listed = False
+        if {"polar_backend_timeout", "polar_max_concurrency"} & set(updated):
+            self._drop_client()   # rebuilt with the new limits on the next call
 
     def _close_to_outside(self, updated):
         """Every answer is made here: never connect to the real hosts. Forced rather than
@@ -177,9 +179,18 @@ class PolarGateway:
         self._ensure_writer()
 
     def done(self):
+        self._drop_client()
         if self.writer:
             self.writer.close()
             self.writer = None
+
+    def _drop_client(self) -> None:
+        client, self.client, self._slots = self.client, None, None
+        if client is not None:
+            try:
+                asyncio.get_running_loop().create_task(client.aclose())
+            except RuntimeError:   # no loop any more: its sockets go with the process
+                pass
 
     def _ensure_writer(self) -> CallWriter:
         if self.writer is None:

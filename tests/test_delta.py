@@ -97,6 +97,9 @@ def test_the_calls_view_and_the_trainer_rebuild_every_call_exactly(tmp_path):
     assert stored[0] == len(expected) and stored[1] == len(expected) - 9
     rows = query(db, "SELECT call_id, request_text, prompt_token_ids, token_ids FROM calls")[1]
     assert {r[0]: (r[1], r[2], r[3]) for r in rows} == expected
+    one = query(db, "SELECT * FROM session_calls('t~1') ORDER BY seq")
+    assert one == query(db, "SELECT * FROM calls WHERE session_id = 't~1' ORDER BY seq")
+    assert len(one[1]) == 14
     from polar_mitm.store import set_reward
     for s in range(3):
         set_reward(db, f"t~{s}", 1.0)

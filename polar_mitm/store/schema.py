@@ -171,6 +171,35 @@ MIGRATIONS: list[str] = [
         SELECT session_id, seq, style, path, status_code, error_kind, error, total_ms, created_at
         FROM call_records WHERE error IS NOT NULL ORDER BY created_at;
     """,
+    # 3: the calls of one session, rebuilt from their deltas without rebuilding every call in
+    # the file (a filter on the calls view does not reach into its recursion)
+    """
+    CREATE MACRO session_calls(sid) AS TABLE
+        WITH RECURSIVE whole(call_id, request_text, prompt_token_ids, token_ids) AS (
+            SELECT call_id, request_middle, prompt_suffix::INTEGER[], token_ids
+            FROM call_records WHERE base_call IS NULL AND session_id = sid
+            UNION ALL
+            SELECT c.call_id,
+                   left(w.request_text, c.request_prefix) || c.request_middle
+                       || right(w.request_text, c.request_suffix),
+                   CASE WHEN c.prompt_suffix IS NOT NULL THEN
+                       list_concat(coalesce(w.prompt_token_ids, []), coalesce(w.token_ids, []))[1:c.prompt_shared]
+                       || c.prompt_suffix::INTEGER[] END,
+                   c.token_ids
+            FROM call_records c JOIN whole w ON c.base_call = w.call_id
+            WHERE c.session_id = sid
+        )
+        SELECT c.call_id, c.session_id, c.seq, c.style, c.method, c.path, c.stream,
+               c.requested_model, c.served_model, c.status_code,
+               w.request_text,
+               CASE WHEN json_valid(w.request_text) THEN w.request_text::JSON END AS request_json,
+               c.backend_params, c.response_json, w.prompt_token_ids, c.token_ids, c.logprobs,
+               c.finish_reason, c.prompt_tokens, c.completion_tokens, c.usage_json, c.queue_ms,
+               c.backend_ms, c.total_ms, c.error, c.error_kind, c.policy_version, c.dropped,
+               c.started_at, c.created_at
+        FROM call_records c JOIN whole w USING (call_id)
+        WHERE c.session_id = sid;
+    """,
 ]
 
 # What the gateway hands the writer per call (besides session_id and seq, assigned there).

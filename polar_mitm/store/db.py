@@ -167,9 +167,9 @@ def reading(path: str | os.PathLike, timeout: float = 30.0) -> Iterator[duckdb.D
     """A read-only connection, closed on exit so the proxy can write again."""
     if not Path(path).exists():
         raise FileNotFoundError(f"no database at {path}")
-    _catch_up_if_orphaned(path, timeout)
     with _announced(path):
-        _catch_up_if_orphaned(path, timeout)   # the proxy may have died while we waited
+        # After the wait: the proxy may have died meanwhile, leaving calls in its log.
+        _catch_up_if_orphaned(path, timeout)
         con = connect(path, read_only=True, timeout=timeout)
         try:
             yield con

@@ -1,6 +1,39 @@
 """Versioned schema. Each migration runs once, in order, inside one transaction; the
 applied version is kept in schema_version. Add migrations at the end, never edit one."""
 
+# Every call rebuilt whole from its deltas (the calls view), or those of one session (the
+# session_calls macro): bases are always earlier calls of the same session.
+_WHOLE_CALLS = """
+        WITH RECURSIVE whole(call_id, request_text, prompt_token_ids, token_ids) AS (
+            SELECT call_id, request_middle, prompt_suffix::INTEGER[], token_ids
+            FROM call_records WHERE base_call IS NULL AND {where}
+            UNION ALL
+            SELECT c.call_id,
+                   left(w.request_text, c.request_prefix) || c.request_middle
+                       || right(w.request_text, c.request_suffix),
+                   CASE WHEN c.prompt_suffix IS NOT NULL THEN
+                       list_concat(coalesce(w.prompt_token_ids, []), coalesce(w.token_ids, []))[1:c.prompt_shared]
+                       || c.prompt_suffix::INTEGER[] END,
+                   c.token_ids
+            FROM call_records c JOIN whole w ON c.base_call = w.call_id
+            WHERE {where_c}
+        )
+        SELECT c.call_id, c.session_id, c.seq, c.style, c.method, c.path, c.stream,
+               c.requested_model, c.served_model, c.status_code,
+               w.request_text,
+               CASE WHEN json_valid(w.request_text) THEN w.request_text::JSON END AS request_json,
+               c.backend_params, c.response_json, w.prompt_token_ids, c.token_ids, c.logprobs,
+               c.finish_reason, c.prompt_tokens, c.completion_tokens, c.usage_json, c.queue_ms,
+               c.backend_ms, c.total_ms, c.error, c.error_kind, c.policy_version, c.dropped,
+               c.started_at, c.created_at
+        FROM call_records c JOIN whole w USING (call_id)
+        WHERE {where_c}"""
+
+
+def _whole_calls(where: str = "TRUE", where_c: str = "TRUE") -> str:
+    return _WHOLE_CALLS.format(where=where, where_c=where_c)
+
+
 MIGRATIONS: list[str] = [
     # 1: sessions, calls and the inspection views
     """
@@ -125,29 +158,7 @@ MIGRATIONS: list[str] = [
         FROM calls;
     UPDATE call_records SET request_chars = length(request_middle);
     DROP TABLE calls;
-    CREATE VIEW calls AS
-        WITH RECURSIVE whole(call_id, request_text, prompt_token_ids, token_ids) AS (
-            SELECT call_id, request_middle, prompt_suffix::INTEGER[], token_ids
-            FROM call_records WHERE base_call IS NULL
-            UNION ALL
-            SELECT c.call_id,
-                   left(w.request_text, c.request_prefix) || c.request_middle
-                       || right(w.request_text, c.request_suffix),
-                   CASE WHEN c.prompt_suffix IS NOT NULL THEN
-                       list_concat(coalesce(w.prompt_token_ids, []), coalesce(w.token_ids, []))[1:c.prompt_shared]
-                       || c.prompt_suffix::INTEGER[] END,
-                   c.token_ids
-            FROM call_records c JOIN whole w ON c.base_call = w.call_id
-        )
-        SELECT c.call_id, c.session_id, c.seq, c.style, c.method, c.path, c.stream,
-               c.requested_model, c.served_model, c.status_code,
-               w.request_text,
-               CASE WHEN json_valid(w.request_text) THEN w.request_text::JSON END AS request_json,
-               c.backend_params, c.response_json, w.prompt_token_ids, c.token_ids, c.logprobs,
-               c.finish_reason, c.prompt_tokens, c.completion_tokens, c.usage_json, c.queue_ms,
-               c.backend_ms, c.total_ms, c.error, c.error_kind, c.policy_version, c.dropped,
-               c.started_at, c.created_at
-        FROM call_records c JOIN whole w USING (call_id);
+    CREATE VIEW calls AS""" + _whole_calls() + """;
     CREATE VIEW session_turns AS
         SELECT session_id, seq, style, requested_model, served_model, finish_reason,
                prompt_len, len(token_ids) AS completion_len,
@@ -173,43 +184,10 @@ MIGRATIONS: list[str] = [
     """,
     # 3: the calls of one session, rebuilt from their deltas without rebuilding every call in
     # the file (a filter on the calls view does not reach into its recursion)
-    """
-    CREATE MACRO session_calls(sid) AS TABLE
-        WITH RECURSIVE whole(call_id, request_text, prompt_token_ids, token_ids) AS (
-            SELECT call_id, request_middle, prompt_suffix::INTEGER[], token_ids
-            FROM call_records WHERE base_call IS NULL AND session_id = sid
-            UNION ALL
-            SELECT c.call_id,
-                   left(w.request_text, c.request_prefix) || c.request_middle
-                       || right(w.request_text, c.request_suffix),
-                   CASE WHEN c.prompt_suffix IS NOT NULL THEN
-                       list_concat(coalesce(w.prompt_token_ids, []), coalesce(w.token_ids, []))[1:c.prompt_shared]
-                       || c.prompt_suffix::INTEGER[] END,
-                   c.token_ids
-            FROM call_records c JOIN whole w ON c.base_call = w.call_id
-            WHERE c.session_id = sid
-        )
-        SELECT c.call_id, c.session_id, c.seq, c.style, c.method, c.path, c.stream,
-               c.requested_model, c.served_model, c.status_code,
-               w.request_text,
-               CASE WHEN json_valid(w.request_text) THEN w.request_text::JSON END AS request_json,
-               c.backend_params, c.response_json, w.prompt_token_ids, c.token_ids, c.logprobs,
-               c.finish_reason, c.prompt_tokens, c.completion_tokens, c.usage_json, c.queue_ms,
-               c.backend_ms, c.total_ms, c.error, c.error_kind, c.policy_version, c.dropped,
-               c.started_at, c.created_at
-        FROM call_records c JOIN whole w USING (call_id)
-        WHERE c.session_id = sid;
-    """,
+    "CREATE MACRO session_calls(sid) AS TABLE"
+    + _whole_calls("session_id = sid", "c.session_id = sid") + ";",
 ]
 
-# What the gateway hands the writer per call (besides session_id and seq, assigned there).
-RECORD_FIELDS = [
-    "call_id", "style", "method", "path", "stream", "requested_model", "served_model",
-    "status_code", "request_text", "backend_params", "response_json", "prompt_token_ids",
-    "token_ids", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens",
-    "usage_json", "queue_ms", "backend_ms", "total_ms", "error", "error_kind",
-    "policy_version", "dropped", "started_at",
-]
 # What the loader writes to call_records.
 RECORD_COLUMNS = [
     "call_id", "session_id", "seq", "style", "method", "path", "stream", "requested_model",

@@ -65,7 +65,7 @@ LOADER_SETTINGS = ("SET threads = 1", "SET memory_limit = '256MB'",
 
 class CallWriter:
     def __init__(self, db_path: str | os.PathLike, *, lock_timeout: float = 10.0,
-                 load_interval: float = float(os.environ.get("POLAR_LOAD_INTERVAL", 0.2)), poll: float = 0.03):
+                 load_interval: float = 0.2, poll: float = 0.03):
         self.db_path = str(db_path)
         self.lock_timeout = lock_timeout
         self.load_interval = load_interval
@@ -203,17 +203,12 @@ class CallWriter:
             rec["created_at"] = wall     # recorded: when the call is acknowledged
             entry = {"s": session, "r": _jsonable(rec)}
             try:
-                line = orjson.dumps({"s": session, "r": _fragments(entry["r"])}) + b"\n"
-            except orjson.JSONEncodeError:
-                try:
-                    line = _dumps({"s": session, "r": _fragments(entry["r"])})
-                    entry = orjson.loads(line)   # what the loader stores is what the log says
-                except Exception as e:
-                    _resolve(fut, exc=e)
-                    continue
+                line, marked = _dumps({"s": session, "r": _fragments(entry["r"])})
             except Exception as e:
                 _resolve(fut, exc=e)
                 continue
+            if marked:
+                entry = orjson.loads(line)   # what the loader stores is what the log says
             self._seq[sid] = seq
             lines.append(line)
             entries.append(entry)
@@ -427,9 +422,10 @@ def _resolve(fut: concurrent.futures.Future, result=None, exc: BaseException | N
         pass   # cancelled by its waiter meanwhile
 
 
-def _dumps(entry: dict) -> bytes:
+def _dumps(entry: dict) -> tuple[bytes, bool]:
+    """The log line, and whether a column too deep to write was marked in it."""
     try:
-        return orjson.dumps(entry) + b"\n"
+        return orjson.dumps(entry) + b"\n", False
     except orjson.JSONEncodeError:
         pass
     # orjson writes at most 254 levels of nesting (it reads 1024). The gateway keeps such a
@@ -443,7 +439,7 @@ def _dumps(entry: dict) -> bytes:
             orjson.dumps(value)
         except orjson.JSONEncodeError:
             rec[col] = {"polar_unstored": "nested too deeply to store"}
-    return orjson.dumps({"s": entry["s"], "r": rec}) + b"\n"
+    return orjson.dumps({"s": entry["s"], "r": rec}) + b"\n", True
 
 
 def _loads(line: bytes) -> dict | None:

@@ -186,6 +186,44 @@ MIGRATIONS: list[str] = [
     # the file (a filter on the calls view does not reach into its recursion)
     "CREATE MACRO session_calls(sid) AS TABLE"
     + _whole_calls("session_id = sid", "c.session_id = sid") + ";",
+    # 4: the rollout server's tasks, their sessions and every state change, so a restart
+    # resumes work in flight and SQL users see where each session stands
+    """
+    CREATE TABLE rollout_tasks (
+        task_id        VARCHAR PRIMARY KEY,
+        spec           JSON NOT NULL,          -- the TaskRequest as submitted
+        state          VARCHAR NOT NULL,       -- queued | running | done | cancelled
+        priority       INTEGER DEFAULT 0,
+        callback_state VARCHAR,                -- pending | sent | failed (no callback_url: NULL)
+        callback_tries INTEGER DEFAULT 0,
+        submitted_at   TIMESTAMPTZ DEFAULT now(),
+        updated_at     TIMESTAMPTZ DEFAULT now()
+    );
+    CREATE TABLE rollout_sessions (
+        session_id  VARCHAR PRIMARY KEY,       -- TASK~i (a retry after a lost node: TASK~i.rN)
+        task_id     VARCHAR NOT NULL,
+        sample      INTEGER NOT NULL,          -- i
+        attempt     INTEGER NOT NULL DEFAULT 1,
+        state       VARCHAR NOT NULL,          -- pending | assigned | init | ready | run | post_run
+                                               -- | done | timed_out | failed | cancelled | lost
+        node_id     VARCHAR,
+        reward      DOUBLE,
+        reason      VARCHAR,                   -- why it failed, timed out or was cancelled
+        stats       JSON,                      -- calls, tokens, durations of each stage
+        updated_at  TIMESTAMPTZ DEFAULT now()
+    );
+    CREATE TABLE rollout_events (
+        event_at    TIMESTAMPTZ NOT NULL,
+        task_id     VARCHAR NOT NULL,
+        session_id  VARCHAR,                   -- NULL: a task-level event
+        state       VARCHAR NOT NULL,
+        node_id     VARCHAR,
+        detail      VARCHAR
+    );
+    CREATE VIEW rollout_progress AS
+        SELECT task_id, state, count(*) AS sessions, avg(reward) AS mean_reward
+        FROM rollout_sessions GROUP BY task_id, state ORDER BY task_id, state;
+    """,
 ]
 
 # What the loader writes to call_records.

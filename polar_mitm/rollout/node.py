@@ -1,0 +1,293 @@
+"""A gateway node: the proxy's machine, with three worker pools around a READY buffer.
+
+    server --assign--> inbox -> INIT pool -> READY buffer -> RUN pool -> POST_RUN pool
+                                (copy workspace,  (sized to     (harness,     (evaluator, reward,
+                                 HOME, config)     RUN slots)    hard timeout)  stats, teardown)
+
+Set-up and evaluation never hold a RUN slot, and the READY buffer keeps RUN fed, so the
+model backend does not wait on either. The node asks the server for work in its heartbeat,
+as many sessions as it has free places for, and reports every state change there too;
+reports wait in an outbox until the server has them, so a server restart loses none.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import httpx
+
+from ..store import rollouts as store
+from ..store import set_reward
+from . import harnesses
+from .runtime import LocalRuntime, Runtime, Sandbox, SetupError
+from .spec import TaskRequest, parse_reward, task_from_json
+
+log = logging.getLogger("polar.node")
+
+
+@dataclass
+class NodeConfig:
+    server_url: str
+    proxy_port: int
+    ca_path: str
+    db: str | None = None              # this node's proxy database: rewards and call stats
+    node_id: str = field(default_factory=lambda: f"node-{uuid.uuid4().hex[:8]}")
+    init_workers: int = 4
+    run_workers: int = 4
+    post_workers: int = 2
+    ready_size: int | None = None      # READY buffer; None: the RUN capacity
+    heartbeat_s: float = 0.5
+
+
+@dataclass
+class Work:
+    session_id: str
+    task: TaskRequest
+    attempt: int
+    sandbox: Sandbox | None = None
+    cancelled: bool = False
+    stats: dict = field(default_factory=dict)
+    result: object = None
+
+
+class GatewayNode:
+    def __init__(self, cfg: NodeConfig, runtime: Runtime | None = None,
+                 launcher: Callable[[str, harnesses.RunContext], harnesses.Launch] = harnesses.launch):
+        self.cfg = cfg
+        self.runtime = runtime or LocalRuntime()
+        self.launcher = launcher
+        self.ready_size = cfg.ready_size if cfg.ready_size is not None else cfg.run_workers
+        self.inbox: queue.Queue[Work] = queue.Queue()
+        self.ready: queue.Queue[Work] = queue.Queue(maxsize=max(1, self.ready_size))
+        self.post: queue.Queue[Work] = queue.Queue()
+        self._lock = threading.Lock()
+        self._held: dict[str, Work] = {}        # assigned and not yet finished
+        self._stage: dict[str, str] = {}
+        self._outbox: list[dict] = []
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._client = httpx.Client(timeout=10.0, trust_env=False)
+        self.heartbeats_ok = 0
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> "GatewayNode":
+        pools = [("init", self.cfg.init_workers, self._init_loop),
+                 ("run", self.cfg.run_workers, self._run_loop),
+                 ("post", self.cfg.post_workers, self._post_loop)]
+        for name, n, fn in pools:
+            for i in range(n):
+                self._spawn(f"{self.cfg.node_id}-{name}-{i}", fn)
+        self._spawn(f"{self.cfg.node_id}-heartbeat", self._heartbeat_loop)
+        return self
+
+    def _spawn(self, name: str, fn) -> None:
+        t = threading.Thread(target=fn, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel what is held, report it, and stop."""
+        with self._lock:
+            held = list(self._held.values())
+        for w in held:
+            self._cancel(w)
+        deadline = time.monotonic() + timeout
+        while self._held and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._flush_outbox()
+        self._stop.set()
+        for _ in range(self.cfg.init_workers + self.cfg.run_workers):
+            self.inbox.put(None)  # type: ignore[arg-type]
+        for t in self._threads:
+            t.join(timeout=2.0)
+        self._client.close()
+
+    # -- load, as the server sees it -----------------------------------------------------
+    @property
+    def slots(self) -> int:
+        """Sessions held before POST_RUN: being set up, buffered, running."""
+        return self.cfg.init_workers + self.ready_size + self.cfg.run_workers
+
+    def load(self) -> dict:
+        with self._lock:
+            stages = list(self._stage.values())
+        pre_post = sum(1 for s in stages if s != "post_run")
+        return {"slots": self.slots, "free": max(0, self.slots - pre_post),
+                "running": stages.count("run"), "ready": stages.count("ready"),
+                "post_run": stages.count("post_run")}
+
+    # -- reporting ---------------------------------------------------------------------
+    def _report(self, w: Work, state: str, **extra) -> None:
+        with self._lock:
+            if state in ("done", "timed_out", "failed", "cancelled"):
+                self._held.pop(w.session_id, None)
+                self._stage.pop(w.session_id, None)
+            else:
+                self._stage[w.session_id] = state
+            self._outbox.append({"session_id": w.session_id, "state": state, "at": time.time(), **extra})
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.is_set():
+            self._flush_outbox()
+            self._stop.wait(self.cfg.heartbeat_s)
+
+    def _flush_outbox(self) -> None:
+        with self._lock:
+            events = list(self._outbox)
+            active = list(self._held)
+        body = {"node_id": self.cfg.node_id, "load": self.load(), "active": active, "events": events}
+        try:
+            r = self._client.post(f"{self.cfg.server_url}/nodes/heartbeat", json=body)
+            r.raise_for_status()
+            reply = r.json()
+        except (httpx.HTTPError, ValueError) as e:
+            log.warning("heartbeat to %s failed: %s", self.cfg.server_url, e)
+            return
+        self.heartbeats_ok += 1
+        with self._lock:
+            del self._outbox[:len(events)]   # only what the server has now
+        for a in reply.get("assign", []):
+            self._accept(a)
+        for sid in reply.get("cancel", []):
+            with self._lock:
+                w = self._held.get(sid)
+            if w is not None:
+                self._cancel(w)
+
+    def _accept(self, a: dict) -> None:
+        w = Work(a["session_id"], task_from_json(a["task"]), a.get("attempt", 1))
+        with self._lock:
+            if w.session_id in self._held:
+                return
+            self._held[w.session_id] = w
+            self._stage[w.session_id] = "assigned"
+        w.stats["assigned_at"] = time.time()
+        self.inbox.put(w)
+
+    def _cancel(self, w: Work) -> None:
+        w.cancelled = True
+        if w.sandbox is not None:
+            w.sandbox.cancel()
+
+    # -- INIT --------------------------------------------------------------------------
+    def _init_loop(self) -> None:
+        while not self._stop.is_set():
+            w = self.inbox.get()
+            if w is None:
+                return
+            if w.cancelled:
+                self._report(w, "cancelled", reason="cancelled before set-up")
+                continue
+            self._report(w, "init")
+            t0 = time.monotonic()
+            try:
+                w.sandbox = self.runtime.prepare(w.session_id, w.task.workspace)
+            except (SetupError, OSError) as e:
+                self._report(w, "failed", reason=f"set-up failed: {e}")
+                continue
+            w.stats["init_s"] = round(time.monotonic() - t0, 3)
+            self._report(w, "ready")
+            w.stats["ready_since"] = time.monotonic()
+            self.ready.put(w)        # blocks while the buffer is full: INIT never runs ahead
+
+    # -- RUN ---------------------------------------------------------------------------
+    def _run_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                w = self.ready.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            w.stats["ready_wait_s"] = round(time.monotonic() - w.stats.pop("ready_since"), 3)
+            if w.cancelled:
+                self.post.put(w)
+                continue
+            self._report(w, "run")
+            ctx = harnesses.RunContext(
+                session_id=w.session_id, instruction=w.task.instruction,
+                proxy_port=self.cfg.proxy_port, ca_path=self.cfg.ca_path,
+                home=w.sandbox.home, workdir=w.sandbox.workdir, command=w.task.command)
+            try:
+                launch = self.launcher(w.task.harness, ctx)
+            except (harnesses.HarnessMissing, ValueError, OSError) as e:
+                w.result = e
+                self.post.put(w)
+                continue
+            w.result = w.sandbox.run(launch.argv, launch.env, w.task.timeout, "harness")
+            w.stats["run_s"] = round(w.result.seconds, 3)
+            w.stats["exit_code"] = w.result.exit_code
+            self._report(w, "post_run")
+            self.post.put(w)
+
+    # -- POST_RUN ----------------------------------------------------------------------
+    def _post_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                w = self.post.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            try:
+                self._finish(w)
+            except Exception as e:   # a report must go out whatever broke
+                log.exception("post-run of %s failed", w.session_id)
+                self._report(w, "failed", reason=f"post-run failed: {e}")
+            finally:
+                if w.sandbox is not None:
+                    w.sandbox.teardown()
+
+    def _finish(self, w: Work) -> None:
+        r = w.result
+        if w.cancelled or (r is not None and getattr(r, "cancelled", False)):
+            self._report(w, "cancelled", reason="cancelled", stats=self._stats(w))
+            return
+        if isinstance(r, Exception):
+            self._report(w, "failed", reason=f"harness could not start: {r}", stats=w.stats)
+            return
+        if r.timed_out:
+            # The calls made so far stay in the database; the session scores 0.
+            reason = f"harness timed out after {w.task.timeout:g}s"
+            self._score(w, 0.0, "timed_out", reason)
+            self._report(w, "timed_out", reward=0.0, reason=reason, stats=self._stats(w))
+            return
+        if r.exit_code != 0:
+            reason = f"harness exited with code {r.exit_code}: {r.output_tail[-500:].strip()}"
+            self._report(w, "failed", reason=reason, stats=self._stats(w))
+            return
+        reward, reason = None, None
+        if w.task.evaluator is not None:
+            t0 = time.monotonic()
+            ev = w.task.evaluator
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(w.sandbox.home),
+                   "LANG": "C.UTF-8", "POLAR_SESSION": w.session_id, "POLAR_TASK": w.task.task_id}
+            er = w.sandbox.run(["/bin/sh", "-c", ev.command], env, ev.timeout, "evaluator")
+            w.stats["eval_s"] = round(time.monotonic() - t0, 3)
+            if er.cancelled:
+                self._report(w, "cancelled", reason="cancelled", stats=self._stats(w))
+                return
+            if er.timed_out:
+                reward, reason = 0.0, f"evaluator timed out after {ev.timeout:g}s"
+            else:
+                reward = parse_reward(er.output_tail, er.exit_code)
+            self._score(w, reward, "done", reason)
+        self._report(w, "done", reward=reward, reason=reason, stats=self._stats(w))
+
+    def _score(self, w: Work, reward: float, state: str, reason: str | None) -> None:
+        if self.cfg.db:
+            set_reward(self.cfg.db, w.session_id, reward, info={"state": state, "reason": reason},
+                       task_id=w.task.task_id, timeout=120.0)
+
+    def _stats(self, w: Work) -> dict:
+        stats = {k: v for k, v in w.stats.items() if k != "assigned_at"}
+        if self.cfg.db and Path(self.cfg.db).exists():
+            try:
+                stats.update(store.call_stats(self.cfg.db, w.session_id, timeout=120.0))
+            except Exception as e:     # stats are nice to have; the reward is what counts
+                stats["stats_error"] = str(e)
+        return stats

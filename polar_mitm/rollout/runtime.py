@@ -1,0 +1,196 @@
+"""Where a session runs: its own files, its own processes, ended all together at teardown.
+
+`Runtime.prepare` makes a `Sandbox`; the node runs the harness and the evaluator in it and
+tears it down. LocalRuntime is a directory per session (workspace copy, HOME, TMPDIR) with
+every process in one process group, marked in its environment so that even processes that
+leave the group (setsid, daemons) are found and ended. A container runtime implements the
+same two classes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from .spec import Workspace
+
+SANDBOX_MARK = "POLAR_SANDBOX"
+
+
+@dataclass
+class RunResult:
+    exit_code: int | None          # None: killed at the timeout or cancelled
+    timed_out: bool
+    cancelled: bool
+    seconds: float
+    output_tail: str
+
+
+class Sandbox(Protocol):
+    workdir: Path
+    home: Path
+
+    def run(self, argv: list[str], env: dict[str, str], timeout: float, log_name: str) -> RunResult: ...
+    def cancel(self) -> None: ...
+    def teardown(self) -> None: ...
+
+
+class Runtime(Protocol):
+    def prepare(self, session_id: str, workspace: Workspace) -> Sandbox: ...
+
+
+class SetupError(RuntimeError):
+    """The workspace could not be made (bad path, git failure)."""
+
+
+class LocalSandbox:
+    def __init__(self, root: Path, keep: bool = False):
+        self.root, self.keep = root, keep
+        self.workdir, self.home, self.tmp = root / "work", root / "home", root / "tmp"
+        self.logs = root / "logs"
+        self.mark = uuid.uuid4().hex
+        self._proc: subprocess.Popen | None = None
+        self._cancelled = False
+
+    def run(self, argv: list[str], env: dict[str, str], timeout: float, log_name: str) -> RunResult:
+        t0 = time.monotonic()
+        if self._cancelled:
+            return RunResult(None, False, True, 0.0, "cancelled before start")
+        log = self.logs / f"{log_name}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(argv, cwd=self.workdir, env={**env, SANDBOX_MARK: self.mark},
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)   # its own process group
+            self._proc = proc
+            timed_out = False
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            # The harness may leave tool processes behind (servers, sleeps): end the group
+            # now, whatever happened, so the evaluator sees a quiet workspace.
+            self._end_group(proc)
+            self._proc = None
+        code = None if (timed_out or self._cancelled) else proc.returncode
+        return RunResult(code, timed_out and not self._cancelled, self._cancelled,
+                         time.monotonic() - t0, _tail(log))
+
+    def _end_group(self, proc: subprocess.Popen) -> None:
+        for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                continue
+            if not _group_alive(proc.pid):
+                break
+        _kill_marked(self.mark)
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        proc = self._proc
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def teardown(self) -> None:
+        _kill_marked(self.mark)
+        if not self.keep:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+class LocalRuntime:
+    """Sandboxes under one directory on this machine."""
+
+    def __init__(self, base: str | Path | None = None, keep: bool = False):
+        self.base = Path(base) if base else Path(tempfile.mkdtemp(prefix="polar-sessions-"))
+        self.base.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.keep = keep
+
+    def prepare(self, session_id: str, workspace: Workspace) -> LocalSandbox:
+        safe = session_id.replace("/", "_").replace("~", "-")
+        root = Path(tempfile.mkdtemp(prefix=f"{safe}-", dir=self.base))
+        box = LocalSandbox(root, self.keep)
+        for d in (box.home, box.tmp, box.logs):
+            d.mkdir(mode=0o700)
+        try:
+            _materialize(workspace, box.workdir)
+        except BaseException:
+            box.teardown()
+            raise
+        return box
+
+
+def _materialize(ws: Workspace, dest: Path) -> None:
+    if ws.git:
+        argv = ["git", "clone", "--quiet", "--no-hardlinks", ws.git, str(dest)]
+        _git(argv)
+        if ws.commit:
+            _git(["git", "-C", str(dest), "checkout", "--quiet", "--detach", ws.commit])
+    elif ws.path:
+        src = Path(ws.path)
+        if not src.is_dir():
+            raise SetupError(f"workspace {ws.path} is not a directory")
+        shutil.copytree(src, dest, symlinks=True)
+    else:
+        dest.mkdir()
+
+
+def _git(argv: list[str]) -> None:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+    if done.returncode != 0:
+        raise SetupError(f"{' '.join(argv[:3])} failed: {done.stderr.strip()[-500:]}")
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _kill_marked(mark: str) -> None:
+    """SIGKILL every process whose environment carries this sandbox's mark (also those that
+    left the process group)."""
+    needle = f"{SANDBOX_MARK}={mark}".encode()
+    for _ in range(3):
+        found = False
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/environ", "rb") as f:
+                    if needle not in f.read().split(b"\0"):
+                        continue
+                os.kill(int(entry.name), signal.SIGKILL)
+                found = True
+            except (OSError, ValueError):
+                continue
+        if not found:
+            return
+        time.sleep(0.05)
+
+
+def _tail(path: Path, limit: int = 4000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - limit))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""

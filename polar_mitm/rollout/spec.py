@@ -1,0 +1,134 @@
+"""TaskRequest: what a task is, checked once where it comes in (HTTP, Python, JSONL)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+HARNESSES = ("claude", "codex", "gemini", "qwen", "pi", "command")
+_TASK_ID = re.compile(r"^[A-Za-z0-9._+=@:-]{1,120}$")   # no "~" (it separates TASK~i), no "/"
+
+
+class TaskError(ValueError):
+    """A TaskRequest that cannot run; the message says which field and why."""
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """A directory copied per session, or a git repo checked out at a commit."""
+    path: str | None = None
+    git: str | None = None
+    commit: str | None = None
+
+
+@dataclass(frozen=True)
+class Evaluator:
+    """Run in the finished workspace: the reward is the float on its last output line, or
+    1.0/0.0 from its exit status when that line is not a number."""
+    command: str
+    timeout: float = 120.0
+
+
+@dataclass(frozen=True)
+class TaskRequest:
+    task_id: str
+    instruction: str
+    harness: str = "pi"
+    workspace: Workspace = field(default_factory=Workspace)
+    num_samples: int = 1
+    timeout: float = 600.0              # seconds for one harness run
+    evaluator: Evaluator | None = None
+    priority: int = 0                   # higher runs first
+    callback_url: str | None = None
+    metadata: dict = field(default_factory=dict)
+    early_stop: int | None = None       # cancel the stragglers once this many sessions finished
+    command: str | None = None          # the `command` harness: a shell line run in the workspace
+
+    def session_ids(self) -> list[str]:
+        return [f"{self.task_id}~{i}" for i in range(self.num_samples)]
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def parse_task(data: Any, *, harness: str | None = None, samples: int | None = None) -> TaskRequest:
+    """A TaskRequest from JSON-shaped data; harness/samples fill in what a task leaves out."""
+    if not isinstance(data, dict):
+        raise TaskError("a task must be a JSON object")
+    known = {f.name for f in dataclasses.fields(TaskRequest)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise TaskError(f"unknown task field(s): {', '.join(unknown)}")
+    d = dict(data)
+    if harness and "harness" not in d:
+        d["harness"] = harness
+    if samples and "num_samples" not in d:
+        d["num_samples"] = samples
+    task_id, instruction = d.get("task_id"), d.get("instruction")
+    if not isinstance(task_id, str) or not _TASK_ID.match(task_id):
+        raise TaskError("task_id must be 1-120 characters of letters, digits and ._+=@:- (no '~')")
+    if not isinstance(instruction, str) or not instruction.strip():
+        raise TaskError(f"{task_id}: instruction must be a non-empty string")
+    h = d.get("harness", "pi")
+    if h not in HARNESSES:
+        raise TaskError(f"{task_id}: harness must be one of {', '.join(HARNESSES)}, not {h!r}")
+    if h == "command" and not isinstance(d.get("command"), str):
+        raise TaskError(f"{task_id}: the command harness needs a 'command' (a shell line)")
+    n = d.get("num_samples", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1024:
+        raise TaskError(f"{task_id}: num_samples must be an integer from 1 to 1024")
+    timeout = d.get("timeout", 600.0)
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        raise TaskError(f"{task_id}: timeout must be a positive number of seconds")
+    ws = d.get("workspace") or {}
+    if isinstance(ws, str):
+        ws = {"path": ws}
+    if not isinstance(ws, dict) or set(ws) - {"path", "git", "commit"}:
+        raise TaskError(f"{task_id}: workspace must be a path, or an object with path, or git and commit")
+    if ws.get("path") and ws.get("git"):
+        raise TaskError(f"{task_id}: workspace takes a path or a git repo, not both")
+    if ws.get("commit") and not ws.get("git"):
+        raise TaskError(f"{task_id}: workspace.commit needs workspace.git")
+    ev = d.get("evaluator")
+    if isinstance(ev, str):
+        ev = {"command": ev}
+    if ev is not None:
+        if not isinstance(ev, dict) or not isinstance(ev.get("command"), str) or set(ev) - {"command", "timeout"}:
+            raise TaskError(f"{task_id}: evaluator must be a shell line, or an object with command and timeout")
+        ev = Evaluator(command=ev["command"], timeout=float(ev.get("timeout", 120.0)))
+    early = d.get("early_stop")
+    if early is not None and (not isinstance(early, int) or not 1 <= early <= n):
+        raise TaskError(f"{task_id}: early_stop must be an integer from 1 to num_samples")
+    priority = d.get("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise TaskError(f"{task_id}: priority must be an integer")
+    url = d.get("callback_url")
+    if url is not None and (not isinstance(url, str) or not url.startswith(("http://", "https://"))):
+        raise TaskError(f"{task_id}: callback_url must be an http(s) URL")
+    meta = d.get("metadata") or {}
+    if not isinstance(meta, dict):
+        raise TaskError(f"{task_id}: metadata must be an object")
+    return TaskRequest(task_id=task_id, instruction=instruction, harness=h,
+                       workspace=Workspace(**ws), num_samples=n, timeout=float(timeout),
+                       evaluator=ev, priority=priority, callback_url=url, metadata=meta,
+                       early_stop=early, command=d.get("command"))
+
+
+def task_from_json(spec: dict) -> TaskRequest:
+    """Back from TaskRequest.to_json (the stored spec)."""
+    return parse_task({k: v for k, v in spec.items() if v is not None})
+
+
+def parse_reward(output: str, exit_code: int) -> float:
+    """The evaluator's reward: the float on its last non-empty line, else 1.0/0.0 by exit status."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    if lines:
+        try:
+            value = float(lines[-1])
+            if value == value and abs(value) != float("inf"):
+                return value
+        except ValueError:
+            pass
+    return 1.0 if exit_code == 0 else 0.0

@@ -1,0 +1,126 @@
+"""The rollout server's state in DuckDB: tasks, sessions, their state changes and rewards.
+
+The server mirrors its state here in batches (one short write connection per batch, so the
+proxy's loader hands the file over and takes it back); on a restart it reads it all back.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TypedDict
+
+import orjson
+
+from .db import init_db, reading, writing
+
+
+class TaskRow(TypedDict):
+    task_id: str
+    spec: dict
+    state: str
+    priority: int
+    callback_state: str | None
+    callback_tries: int
+
+
+class SessionRow(TypedDict):
+    session_id: str
+    task_id: str
+    sample: int
+    attempt: int
+    state: str
+    node_id: str | None
+    reward: float | None
+    reason: str | None
+    stats: dict | None
+
+
+class Event(TypedDict):
+    at: float                    # unix seconds
+    task_id: str
+    session_id: str | None
+    state: str
+    node_id: str | None
+    detail: str | None
+
+
+class Batch(TypedDict):
+    tasks: list[TaskRow]         # latest row of each task changed since the last batch
+    sessions: list[SessionRow]
+    events: list[Event]
+
+
+def _j(v) -> str | None:
+    return None if v is None else orjson.dumps(v).decode()
+
+
+def ensure(path: str | os.PathLike, timeout: float = 60.0) -> None:
+    init_db(path, timeout)
+
+
+def save(path: str | os.PathLike, batch: Batch, timeout: float = 60.0) -> None:
+    """One transaction: a crash leaves either all of a batch or none of it."""
+    with writing(path, timeout) as con:
+        con.execute("BEGIN")
+        try:
+            if batch["tasks"]:
+                con.executemany(
+                    "INSERT INTO rollout_tasks (task_id, spec, state, priority, callback_state, "
+                    "callback_tries) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (task_id) DO UPDATE SET "
+                    "state = excluded.state, callback_state = excluded.callback_state, "
+                    "callback_tries = excluded.callback_tries, updated_at = now()",
+                    [[t["task_id"], _j(t["spec"]), t["state"], t["priority"], t["callback_state"],
+                      t["callback_tries"]] for t in batch["tasks"]])
+            if batch["sessions"]:
+                con.executemany(
+                    "INSERT INTO rollout_sessions (session_id, task_id, sample, attempt, state, "
+                    "node_id, reward, reason, stats) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                    "ON CONFLICT (session_id) DO UPDATE SET state = excluded.state, "
+                    "node_id = excluded.node_id, reward = excluded.reward, reason = excluded.reason, "
+                    "stats = excluded.stats, updated_at = now()",
+                    [[s["session_id"], s["task_id"], s["sample"], s["attempt"], s["state"],
+                      s["node_id"], s["reward"], s["reason"], _j(s["stats"])]
+                     for s in batch["sessions"]])
+            if batch["events"]:
+                con.executemany(
+                    "INSERT INTO rollout_events VALUES (to_timestamp(?), ?, ?, ?, ?, ?)",
+                    [[e["at"], e["task_id"], e["session_id"], e["state"], e["node_id"], e["detail"]]
+                     for e in batch["events"]])
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+
+
+def load(path: str | os.PathLike, timeout: float = 60.0) -> tuple[list[TaskRow], list[SessionRow]]:
+    """Every task and session, for a restarted server."""
+    with reading(path, timeout) as con:
+        tasks = [TaskRow(task_id=r[0], spec=orjson.loads(r[1]), state=r[2], priority=r[3],
+                         callback_state=r[4], callback_tries=r[5])
+                 for r in con.execute("SELECT task_id, spec, state, priority, callback_state, "
+                                      "callback_tries FROM rollout_tasks ORDER BY submitted_at, task_id")
+                 .fetchall()]
+        sessions = [SessionRow(session_id=r[0], task_id=r[1], sample=r[2], attempt=r[3], state=r[4],
+                               node_id=r[5], reward=r[6], reason=r[7],
+                               stats=orjson.loads(r[8]) if r[8] else None)
+                    for r in con.execute("SELECT session_id, task_id, sample, attempt, state, node_id, "
+                                         "reward, reason, stats FROM rollout_sessions "
+                                         "ORDER BY task_id, sample, attempt").fetchall()]
+    return tasks, sessions
+
+
+class CallStats(TypedDict):
+    calls: int
+    failed_calls: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def call_stats(path: str | os.PathLike, session_id: str, timeout: float = 60.0) -> CallStats:
+    """What the proxy recorded for one session (read after its harness has exited)."""
+    with reading(path, timeout) as con:
+        n, failed, p, c = con.execute(
+            "SELECT count(*), count(error), coalesce(sum(prompt_tokens), 0), "
+            "coalesce(sum(completion_tokens), 0) FROM call_records WHERE session_id = ?",
+            [session_id]).fetchone()
+    return CallStats(calls=n, failed_calls=failed, prompt_tokens=int(p), completion_tokens=int(c))

@@ -15,6 +15,7 @@ import click
 
 from . import launch
 from .models import DEFAULT_MODEL_NAME, cache_dir, ensure_default_model
+from .rollout_cli import register as register_rollout
 from .store import export_parquet, query
 
 
@@ -113,17 +114,18 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _start_stack(db, backend, port, reverse_port, confdir, logs: Path, max_model_len):
+def _start_stack(db, backend, port, reverse_port, confdir, logs: Path, max_model_len, proxy=True):
     services = []
     try:
-        return _start_services(services, db, backend, port, reverse_port, confdir, logs, max_model_len)
+        return _start_services(services, db, backend, port, reverse_port, confdir, logs, max_model_len,
+                               proxy)
     except BaseException:  # e.g. the proxy failed, or SIGTERM, after vLLM started
         for s in reversed(services):
             s.stop()
         raise
 
 
-def _start_services(services, db, backend, port, reverse_port, confdir, logs, max_model_len):
+def _start_services(services, db, backend, port, reverse_port, confdir, logs, max_model_len, proxy):
     if not backend:
         model_dir = ensure_default_model(log=click.echo)
         vport = launch.free_port()
@@ -135,6 +137,8 @@ def _start_services(services, db, backend, port, reverse_port, confdir, logs, ma
             max_model_len=max_model_len, chat_template=launch.TEMPLATES / "smollm2_tools.jinja"))
         click.echo(f"vLLM ready after {time.time() - t0:.0f}s")
         backend = f"http://127.0.0.1:{vport}"
+    if not proxy:
+        return services, backend
     services.append(launch.start_proxy(db=db, backend=backend, port=port, confdir=confdir,
                                        log_path=logs / "mitmdump.log", reverse_port=reverse_port))
     return services, backend
@@ -189,5 +193,7 @@ def demo(db, backend, max_tokens):
     click.echo(f"\nrecorded in {db}:")
     _print_table(*query(db, SUMMARY_SQL), "table")
     _print_table(*query(db, "SELECT * FROM session_summary"), "table")
+register_rollout(main)
+
 if __name__ == "__main__":
     main()

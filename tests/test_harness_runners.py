@@ -1,0 +1,76 @@
+"""Each of the five CLIs, installed from npm at its pinned version and started by its runner,
+completes a multi-turn tool loop through the proxy in regular mode (HTTPS_PROXY + CA): the
+scripted backend asks for the CLI's own shell tool, the CLI runs it in the session's
+workspace, sends the result back, and the evaluator finds the file the command wrote."""
+
+from __future__ import annotations
+
+import pytest
+
+from polar_mitm.rollout import GatewayNode, NodeConfig, RolloutServer
+from polar_mitm.rollout import harnesses
+from polar_mitm.rollout.runtime import LocalRuntime
+from polar_mitm.store import query
+from scripted_vllm import MARKER, ScriptedVLLM
+
+CLIS = ["pi", "claude", "codex", "gemini", "qwen"]
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    with ScriptedVLLM() as backend:
+        yield backend
+
+
+def installed(name: str):
+    try:
+        return harnesses.install(name)
+    except harnesses.HarnessMissing as e:   # no npm, or the registry refused: say so
+        pytest.skip(f"{name} could not be installed from npm: {e}")
+
+
+def tool_results(bodies: list[dict]) -> list[str]:
+    out = []
+    for b in bodies:
+        for m in b.get("messages") or []:
+            if m.get("role") == "tool":
+                c = m.get("content")
+                out.append(c if isinstance(c, str) else str(c))
+    return out
+
+
+@pytest.mark.parametrize("name", CLIS)
+def test_cli_completes_a_tool_loop_through_the_proxy(name, scripted, start_proxy, tmp_path):
+    installed(name)
+    proxy = start_proxy(scripted.url)
+    seen = len(scripted.bodies)
+    server = RolloutServer(str(proxy.db)).start()
+    runtime = LocalRuntime(tmp_path / "sessions", keep=True)
+    node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=proxy.port, ca_path=proxy.ca,
+                                  db=str(proxy.db), init_workers=1, run_workers=1, post_workers=1),
+                       runtime=runtime).start()
+    try:
+        task = f"loop-{name}"
+        server.submit({"task_id": task, "harness": name, "timeout": 240,
+                       "instruction": "Run the shell command 'echo hi' and tell me what it printed.",
+                       "evaluator": f"grep -q {MARKER} polar_proof.txt"})
+        assert server.wait([task], timeout=300)
+        s = server.group(task)["sessions"][0]
+        logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in runtime.base.glob("*/logs/*.log"))
+        assert s["state"] == "done" and s["reward"] == 1.0, f"{s}\n{logs}"
+    finally:
+        node.stop()
+        server.stop()
+    sid = f"{task}~0"
+    bodies = scripted.bodies[seen:]
+    assert any(MARKER in r for r in tool_results(bodies)), "the tool's output never reached the model"
+    cols, rows = query(proxy.db, "SELECT count(*), count(error), max(seq) FROM call_records "
+                                 "WHERE session_id = ?", [sid])
+    n, errors, last = rows[0]
+    assert n >= 2 and errors == 0 and last == n, rows          # tool call, then the answer
+    assert s["stats"]["calls"] == n
+    _, rows = query(proxy.db, "SELECT reward, task_id FROM sessions WHERE session_id = ?", [sid])
+    assert rows == [(1.0, task)]
+    _, rows = query(proxy.db, "SELECT list(state ORDER BY event_at) FROM rollout_events WHERE session_id = ?", [sid])
+    assert rows[0][0][:1] == ["pending"] and rows[0][0][-1] == "done"
+    assert {"assigned", "init", "ready", "run", "post_run"} <= set(rows[0][0])

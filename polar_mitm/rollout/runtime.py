@@ -70,6 +70,8 @@ class LocalSandbox:
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)   # its own process group
             self._proc = proc
+            if self._cancelled:      # cancel() ran between the check above and Popen
+                self.cancel()
             timed_out = False
             try:
                 proc.wait(timeout=timeout)

@@ -238,7 +238,10 @@ class RolloutServer:
                     self._requeue(s, f"node {node_id} no longer holds it")
             assign = self._assign(node, int((body.get("load") or {}).get("free", 0)))
             self._changed.notify_all()
-            return {"assign": assign, "cancel": cancel}
+        # Durable before the node hears back: it drops the events it reported once answered,
+        # and must not start a session that a restarted server would not know it holds.
+        self.flush()
+        return {"assign": assign, "cancel": cancel}
 
     def _apply(self, node_id: str, ev: dict) -> None:
         s = self.sessions.get(ev.get("session_id"))
@@ -476,7 +479,12 @@ def _handler(server: RolloutServer):
                 return self._send(400, {"error": {"message": f"invalid JSON: {e}"}})
             try:
                 if parts == ["nodes", "heartbeat"]:
-                    return self._send(200, server.heartbeat(body))
+                    try:
+                        reply = server.heartbeat(body)
+                    except Exception as e:   # not saved: the node keeps its events and retries
+                        log.exception("heartbeat failed")
+                        return self._send(503, {"error": {"message": f"state not saved: {e}"}})
+                    return self._send(200, reply)
                 if parts == ["tasks"]:
                     specs = [parse_task(t) for t in (body if isinstance(body, list) else [body])]
                     out = [{"task_id": s.task_id, "sessions": server.submit(s)} for s in specs]

@@ -1,0 +1,286 @@
+"""Rollout server and gateway node under faults: hangs, crashes, a killed server, a dead node,
+early stop, cancels and a flaky callback. The harness is tests/fake_harness.py (model calls
+through the proxy in regular mode, like a CLI); the backend is the scripted stand-in."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+
+from polar_mitm import launch
+from polar_mitm.rollout import GatewayNode, NodeConfig, RolloutServer, TaskError, parse_task
+from polar_mitm.rollout.runtime import LocalRuntime
+from polar_mitm.rollout.spec import parse_reward
+from polar_mitm.store import query
+from scripted_vllm import ScriptedVLLM
+
+HERE = Path(__file__).parent
+FAKE = f"{sys.executable} {HERE / 'fake_harness.py'}"
+POLAR = str(Path(sys.executable).parent / "polar-mitm")
+
+
+class Callbacks:
+    """Receives scored groups; fails the first `fail` posts with a 500."""
+
+    def __init__(self, fail: int = 0):
+        self.groups: list[dict] = []
+        self.posts = 0
+        cb = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                cb.posts += 1
+                ok = cb.posts > fail
+                if ok:
+                    cb.groups.append(body)
+                self.send_response(200 if ok else 500)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/groups"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def stack(start_proxy, tmp_path):
+    """A proxy over the scripted backend, a rollout server on its database and one node."""
+    with ScriptedVLLM() as backend:
+        proxy = start_proxy(backend.url)
+        server = RolloutServer(str(proxy.db), callback_backoff=0.05).start()
+        node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=proxy.port, ca_path=proxy.ca,
+                                      db=str(proxy.db), init_workers=2, run_workers=2, heartbeat_s=0.1),
+                           runtime=LocalRuntime(tmp_path / "sessions")).start()
+        yield proxy, server, node
+        node.stop()
+        server.stop()
+
+
+def test_a_hanging_harness_is_killed_at_its_timeout_keeps_its_calls_and_scores_zero(stack):
+    proxy, server, _ = stack
+    server.submit({"task_id": "hang", "instruction": "x", "harness": "command", "timeout": 3,
+                   "command": f"{FAKE} hang 2", "evaluator": "echo 1.0"})
+    t0 = time.monotonic()
+    assert server.wait(["hang"], timeout=60)
+    assert time.monotonic() - t0 < 20
+    s = server.group("hang")["sessions"][0]
+    assert s["state"] == "timed_out" and s["reward"] == 0.0 and "timed out after 3s" in s["reason"]
+    assert s["stats"]["calls"] == 2                      # what it did before the timeout stays
+    _, rows = query(proxy.db, "SELECT count(*) FROM call_records WHERE session_id = 'hang~0' AND error IS NULL")
+    assert rows == [(2,)]
+    _, rows = query(proxy.db, "SELECT reward FROM sessions WHERE session_id = 'hang~0'")
+    assert rows == [(0.0,)]
+    out = subprocess.run(["pgrep", "-f", "fake_harness.py hang"], capture_output=True, text=True)
+    assert out.stdout == "", "the harness outlived its timeout"
+
+
+def test_a_crashing_harness_is_recorded_as_failed(stack):
+    proxy, server, _ = stack
+    server.submit({"task_id": "crash", "instruction": "x", "harness": "command",
+                   "command": f"{FAKE} crash 1", "evaluator": "echo 1.0"})
+    assert server.wait(["crash"], timeout=60)
+    s = server.group("crash")["sessions"][0]
+    assert s["state"] == "failed" and s["reward"] is None
+    assert "exited with code 3" in s["reason"] and "fake harness crashed" in s["reason"]
+    _, rows = query(proxy.db, "SELECT state, reason FROM rollout_sessions WHERE session_id = 'crash~0'")
+    assert rows[0][0] == "failed" and "code 3" in rows[0][1]
+
+
+def test_scored_group_reaches_the_callback_after_retries_and_rewards_are_stored(stack):
+    proxy, server, _ = stack
+    cb = Callbacks(fail=2)
+    try:
+        server.submit({"task_id": "grp", "instruction": "x", "harness": "command", "num_samples": 3,
+                       "command": f"{FAKE} ok 1",
+                       "evaluator": "test -f result.txt && echo $((${POLAR_SESSION#grp~} + 1)).5",
+                       "callback_url": cb.url, "metadata": {"split": "train"}})
+        assert server.wait(["grp"], timeout=60)
+        assert len(cb.groups) == 1 and cb.posts == 3
+        g = cb.groups[0]
+        assert g["task_id"] == "grp" and g["state"] == "done" and g["metadata"] == {"split": "train"}
+        assert sorted((s["session_id"], s["reward"]) for s in g["sessions"]) == \
+            [("grp~0", 1.5), ("grp~1", 2.5), ("grp~2", 3.5)]
+        _, rows = query(proxy.db, "SELECT callback_state, callback_tries FROM rollout_tasks WHERE task_id = 'grp'")
+        assert rows == [("sent", 3)]
+        _, rows = query(proxy.db, "SELECT session_id, reward FROM sessions WHERE task_id = 'grp' ORDER BY 1")
+        assert rows == [("grp~0", 1.5), ("grp~1", 2.5), ("grp~2", 3.5)]
+    finally:
+        cb.close()
+
+
+def test_early_stop_cancels_the_stragglers(stack):
+    _, server, _ = stack
+    # samples 0 and 1 finish at once; 2 and 3 would run for a minute
+    cmd = 'case "$POLAR_SESSION" in *~0|*~1) ' + FAKE + ' ok 0;; *) ' + FAKE + ' slow:60 0;; esac'
+    server.submit({"task_id": "early", "instruction": "x", "harness": "command", "num_samples": 4,
+                   "early_stop": 2, "command": cmd, "evaluator": "echo 1"})
+    t0 = time.monotonic()
+    assert server.wait(["early"], timeout=60)
+    assert time.monotonic() - t0 < 30
+    states = {s["session_id"]: s["state"] for s in server.group("early")["sessions"]}
+    assert states == {"early~0": "done", "early~1": "done", "early~2": "cancelled", "early~3": "cancelled"}
+    assert server.task_status("early")["state"] == "done"
+
+
+def test_cancel_a_task_over_http(stack):
+    _, server, _ = stack
+    r = httpx.post(f"{server.url}/tasks", json={"task_id": "long", "instruction": "x", "harness": "command",
+                                                "num_samples": 2, "command": f"{FAKE} slow:60 0"})
+    assert r.status_code == 202 and r.json()["tasks"][0]["sessions"] == ["long~0", "long~1"]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and httpx.get(f"{server.url}/status").json()["sessions"].get("run", 0) < 2:
+        time.sleep(0.1)
+    assert httpx.post(f"{server.url}/tasks/long/cancel", json={}).json()["cancelled"]
+    assert server.wait(["long"], timeout=30)
+    st = httpx.get(f"{server.url}/tasks/long").json()
+    assert st["state"] == "cancelled" and {s["state"] for s in st["sessions"]} == {"cancelled"}
+
+
+def test_http_api_answers_bad_requests_clearly(stack):
+    _, server, _ = stack
+    r = httpx.post(f"{server.url}/tasks", json={"task_id": "a~b", "instruction": "x"})
+    assert r.status_code == 400 and "task_id" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/tasks", json={"task_id": "t", "instruction": "x", "harness": "vim"})
+    assert r.status_code == 400 and "harness" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/tasks", content=b"{nope", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
+    ok = {"task_id": "dup", "instruction": "x", "harness": "command", "command": "true"}
+    assert httpx.post(f"{server.url}/tasks", json=ok).status_code == 202
+    r = httpx.post(f"{server.url}/tasks", json=ok)
+    assert r.status_code == 409 and "already exists" in r.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/tasks/nope").status_code == 404
+
+
+def test_task_requests_are_validated():
+    t = parse_task({"task_id": "t1", "instruction": "fix it", "workspace": {"git": "/r", "commit": "abc"},
+                    "evaluator": "pytest -q"}, harness="codex", samples=8)
+    assert t.harness == "codex" and t.num_samples == 8 and t.session_ids()[-1] == "t1~7"
+    assert t.workspace.commit == "abc" and t.evaluator.command == "pytest -q"
+    for bad, word in [({"instruction": "x"}, "task_id"), ({"task_id": "t"}, "instruction"),
+                      ({"task_id": "t", "instruction": "x", "num_samples": 0}, "num_samples"),
+                      ({"task_id": "t", "instruction": "x", "early_stop": 3}, "early_stop"),
+                      ({"task_id": "t", "instruction": "x", "workspace": {"commit": "a"}}, "commit"),
+                      ({"task_id": "t", "instruction": "x", "harness": "command"}, "command"),
+                      ({"task_id": "t", "instruction": "x", "colour": 1}, "unknown")]:
+        with pytest.raises(TaskError, match=word):
+            parse_task(bad)
+    assert parse_reward("running tests\n0.75\n", 1) == 0.75
+    assert parse_reward("3 passed\n", 0) == 1.0 and parse_reward("1 failed\n", 1) == 0.0
+    assert parse_reward("nan\n", 0) == 1.0
+
+
+def test_teardown_ends_processes_that_left_the_group(tmp_path):
+    from polar_mitm.rollout.spec import Workspace
+    box = LocalRuntime(tmp_path / "s").prepare("t~0", Workspace())
+    r = box.run(["/bin/sh", "-c", "setsid sleep 300 & echo started"], {"PATH": os.environ["PATH"]}, 10, "h")
+    assert r.exit_code == 0 and "started" in r.output_tail
+    out = subprocess.run(["pgrep", "-f", "sleep 300"], capture_output=True, text=True)
+    assert out.stdout == "", "a setsid child of the harness survived the run"
+    box.teardown()
+    assert not box.root.exists()
+
+
+def _start_server(db: Path, port: int, log: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([POLAR, "rollout-server", "--db", str(db), "--port", str(port), "--node-timeout", "3"],
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    launch.wait_port(port, None, timeout=60)
+    return proc
+
+
+def _wait(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_killing_the_rollout_server_mid_task_loses_no_session(tmp_path):
+    db, port = tmp_path / "r.duckdb", launch.free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = _start_server(db, port, tmp_path / "server.log")
+    node = GatewayNode(NodeConfig(server_url=url, proxy_port=1, ca_path="", init_workers=2, run_workers=2,
+                                  heartbeat_s=0.1), runtime=LocalRuntime(tmp_path / "s")).start()
+    try:
+        r = httpx.post(f"{url}/tasks", json={"task_id": "crashy", "instruction": "x", "harness": "command",
+                                             "num_samples": 6, "command": f"{FAKE} slow:1.5 0",
+                                             "evaluator": "test -f result.txt"})
+        assert r.status_code == 202
+        _wait(lambda: httpx.get(f"{url}/status").json()["sessions"].get("run", 0) >= 2, 30, "two sessions running")
+        server.send_signal(signal.SIGKILL)
+        server.wait()
+        time.sleep(1.0)              # the node keeps running and keeps its reports
+        server = _start_server(db, port, tmp_path / "server.log")
+
+        def finished():
+            st = httpx.get(f"{url}/tasks/crashy").json()
+            return st if st["state"] == "done" else None
+        st = _wait(finished, 60, "the task to finish after the restart")
+    finally:
+        node.stop()
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=30)
+    latest = {s["sample"]: s for s in st["sessions"] if "." not in s["session_id"].rsplit("~", 1)[1]}
+    assert sorted(latest) == list(range(6))
+    assert all(s["state"] == "done" and s["reward"] == 1.0 for s in latest.values()), st
+    _, rows = query(db, "SELECT count(*), count(DISTINCT sample), min(state), max(state) FROM rollout_sessions "
+                        "WHERE task_id = 'crashy' AND state = 'done'")
+    assert rows == [(6, 6, "done", "done")]
+    _, rows = query(db, "SELECT count(*) FROM rollout_events WHERE detail LIKE 'server restarted%'")
+    assert rows[0][0] >= 1    # the sessions in flight at the kill were resumed, and say so
+
+
+def test_a_dead_node_is_detected_and_its_sessions_rescheduled(tmp_path):
+    db = tmp_path / "r.duckdb"
+    server = RolloutServer(str(db), node_timeout=2.0).start()
+    script = (f"import time,sys; sys.path.insert(0, {str(HERE)!r});"
+              "from polar_mitm.rollout import GatewayNode, NodeConfig;"
+              "from polar_mitm.rollout.runtime import LocalRuntime;"
+              f"GatewayNode(NodeConfig(server_url={server.url!r}, proxy_port=1, ca_path='', node_id='doomed',"
+              f" init_workers=2, run_workers=2, heartbeat_s=0.1), runtime=LocalRuntime({str(tmp_path / 'd')!r})).start();"
+              "time.sleep(600)")
+    doomed = subprocess.Popen([sys.executable, "-c", script])
+    node = None
+    try:
+        server.submit({"task_id": "nd", "instruction": "x", "harness": "command", "num_samples": 2,
+                       "command": f"{FAKE} slow:2 0", "evaluator": "test -f result.txt"})
+        _wait(lambda: server.status()["sessions"].get("run", 0) == 2, 30, "both sessions running on the node")
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait()
+        _wait(lambda: server.status()["nodes"]["doomed"]["lost"], 10, "the node to be declared lost")
+        node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=1, ca_path="", node_id="spare",
+                                      heartbeat_s=0.1), runtime=LocalRuntime(tmp_path / "s")).start()
+        assert server.wait(["nd"], timeout=60)
+        g = server.group("nd")
+    finally:
+        if node:
+            node.stop()
+        server.stop()
+        if doomed.poll() is None:
+            doomed.kill()
+    assert [(s["session_id"], s["state"], s["node_id"], s["reward"]) for s in g["sessions"]] == \
+        [("nd~0.r2", "done", "spare", 1.0), ("nd~1.r2", "done", "spare", 1.0)]
+    assert {(s["session_id"], s["state"]) for s in g["attempts"]} == {("nd~0", "lost"), ("nd~1", "lost")}
+    assert all("node doomed lost: no heartbeat" in s["reason"] for s in g["attempts"])
+    _, rows = query(db, "SELECT count(*) FROM rollout_events WHERE state = 'node_lost' AND node_id = 'doomed'")
+    assert rows == [(1,)]

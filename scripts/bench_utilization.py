@@ -87,7 +87,7 @@ class FakeSandbox:
         self.backend, self.d = backend, d
         self.workdir = self.home = Path("/nonexistent")
 
-    def run(self, argv, env, timeout, log_name) -> RunResult:
+    def run(self, argv, env, timeout, log_name, proxy_port=None) -> RunResult:
         t0 = time.monotonic()
         if log_name == "harness":
             fake_harness(self.backend, self.d)

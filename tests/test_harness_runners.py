@@ -9,7 +9,7 @@ import pytest
 
 from polar_mitm.rollout import GatewayNode, NodeConfig, RolloutServer
 from polar_mitm.rollout import harnesses
-from polar_mitm.rollout.runtime import LocalRuntime
+from polar_mitm.rollout.runtime import LocalRuntime, unshare_argv
 from polar_mitm.store import query
 from scripted_vllm import MARKER, ScriptedVLLM
 
@@ -69,6 +69,8 @@ def test_cli_completes_a_tool_loop_through_the_proxy(name, scripted, start_proxy
     n, errors, last = rows[0]
     assert n >= 2 and errors == 0 and last == n, rows          # tool call, then the answer
     assert s["stats"]["calls"] == n
+    if unshare_argv():   # the CLI ran in its own network namespace, reaching only the proxy
+        assert s["stats"]["network"] == "isolated"
     _, rows = query(proxy.db, "SELECT reward, task_id FROM sessions WHERE session_id = ?", [sid])
     assert rows == [(1.0, task)]
     _, rows = query(proxy.db, "SELECT list(state ORDER BY event_at) FROM rollout_events WHERE session_id = ?", [sid])

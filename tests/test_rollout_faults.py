@@ -284,3 +284,38 @@ def test_a_dead_node_is_detected_and_its_sessions_rescheduled(tmp_path):
     assert all("node doomed lost: no heartbeat" in s["reason"] for s in g["attempts"])
     _, rows = query(db, "SELECT count(*) FROM rollout_events WHERE state = 'node_lost' AND node_id = 'doomed'")
     assert rows == [(1,)]
+
+
+def test_an_isolated_session_reaches_the_proxy_and_nothing_else(stack, tmp_path):
+    from polar_mitm.rollout.runtime import unshare_argv
+    if unshare_argv() is None:
+        pytest.skip("this machine does not allow network namespaces (unshare -n): sessions share its network")
+    proxy, server, _ = stack
+    import socket
+    outside = socket.create_server(("127.0.0.1", 0))      # a listener on the node's own loopback
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import socket, sys\n"
+        "def tcp(port):\n"
+        "    try:\n"
+        "        socket.create_connection(('127.0.0.1', port), timeout=2).close(); return 'open'\n"
+        "    except OSError as e: return type(e).__name__\n"
+        "def dns():\n"
+        "    try:\n"
+        "        socket.getaddrinfo('example.com', 443); return 'resolved'\n"
+        "    except OSError as e: return type(e).__name__\n"
+        f"print('outside', tcp({outside.getsockname()[1]}), 'proxy', tcp({proxy.port}), 'dns', dns())\n")
+    server.submit({"task_id": "iso", "instruction": "x", "harness": "command", "timeout": 60,
+                   "command": f"{sys.executable} {probe} > probe.txt && {FAKE} ok 1",
+                   "evaluator": "cat probe.txt"})
+    try:
+        assert server.wait(["iso"], timeout=60)
+    finally:
+        outside.close()
+    s = server.group("iso")["sessions"][0]
+    assert s["state"] == "done" and s["stats"]["network"] == "isolated", s
+    assert s["stats"]["calls"] == 1                           # the model call went through
+    _, rows = query(proxy.db, "SELECT count(*) FROM call_records WHERE session_id = 'iso~0'")
+    assert rows == [(1,)]
+    assert s["stats"]["eval_output"].split() == \
+        ["outside", "ConnectionRefusedError", "proxy", "open", "dns", "gaierror"], s["stats"]

@@ -220,7 +220,9 @@ class GatewayNode:
                 w.result = e
                 self.post.put(w)
                 continue
-            w.result = w.sandbox.run(launch.argv, launch.env, w.task.timeout, "harness")
+            w.stats["network"] = getattr(w.sandbox, "network", "unknown")
+            w.result = w.sandbox.run(launch.argv, launch.env, w.task.timeout, "harness",
+                                     proxy_port=self.cfg.proxy_port)
             w.stats["run_s"] = round(w.result.seconds, 3)
             w.stats["exit_code"] = w.result.exit_code
             self._report(w, "post_run")
@@ -268,6 +270,7 @@ class GatewayNode:
                    "LANG": "C.UTF-8", "POLAR_SESSION": w.session_id, "POLAR_TASK": w.task.task_id}
             er = w.sandbox.run(["/bin/sh", "-c", ev.command], env, ev.timeout, "evaluator")
             w.stats["eval_s"] = round(time.monotonic() - t0, 3)
+            w.stats["eval_output"] = er.output_tail[-500:]
             if er.cancelled:
                 self._report(w, "cancelled", reason="cancelled", stats=self._stats(w))
                 return

@@ -9,10 +9,12 @@ same two classes.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -20,9 +22,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from .netbridge import UnixToTcp
 from .spec import Workspace
 
 SANDBOX_MARK = "POLAR_SANDBOX"
+NETBRIDGE = str(Path(__file__).with_name("netbridge.py"))
+
+
+@functools.cache
+def unshare_argv() -> tuple[str, ...] | None:
+    """How to start a process in a new network namespace here, or None where the machine
+    does not allow it (no unshare, no privileges for it)."""
+    for argv in (("unshare", "-n"), ("unshare", "-rn")):
+        try:
+            if subprocess.run([*argv, "true"], capture_output=True, timeout=10).returncode == 0:
+                return argv
+        except (OSError, subprocess.SubprocessError):
+            continue
+    return None
 
 
 @dataclass
@@ -38,7 +55,8 @@ class Sandbox(Protocol):
     workdir: Path
     home: Path
 
-    def run(self, argv: list[str], env: dict[str, str], timeout: float, log_name: str) -> RunResult: ...
+    def run(self, argv: list[str], env: dict[str, str], timeout: float, log_name: str,
+            proxy_port: int | None = None) -> RunResult: ...
     def cancel(self) -> None: ...
     def teardown(self) -> None: ...
 
@@ -52,18 +70,23 @@ class SetupError(RuntimeError):
 
 
 class LocalSandbox:
-    def __init__(self, root: Path, keep: bool = False):
-        self.root, self.keep = root, keep
+    def __init__(self, root: Path, keep: bool = False, isolate: tuple[str, ...] | None = None):
+        self.root, self.keep, self.isolate = root, keep, isolate
+        self.network = "isolated" if isolate else "host"
+        self._bridges: list[tuple[UnixToTcp, str]] = []
         self.workdir, self.home, self.tmp = root / "work", root / "home", root / "tmp"
         self.logs = root / "logs"
         self.mark = uuid.uuid4().hex
         self._proc: subprocess.Popen | None = None
         self._cancelled = False
 
-    def run(self, argv: list[str], env: dict[str, str], timeout: float, log_name: str) -> RunResult:
+    def run(self, argv: list[str], env: dict[str, str], timeout: float, log_name: str,
+            proxy_port: int | None = None) -> RunResult:
         t0 = time.monotonic()
         if self._cancelled:
             return RunResult(None, False, True, 0.0, "cancelled before start")
+        if self.isolate:
+            argv = self._isolated(argv, proxy_port)
         log = self.logs / f"{log_name}.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(argv, cwd=self.workdir, env={**env, SANDBOX_MARK: self.mark},
@@ -84,6 +107,16 @@ class LocalSandbox:
         code = None if (timed_out or self._cancelled) else proc.returncode
         return RunResult(code, timed_out and not self._cancelled, self._cancelled,
                          time.monotonic() - t0, _tail(log))
+
+    def _isolated(self, argv: list[str], proxy_port: int | None) -> list[str]:
+        """A new network namespace with loopback only; with proxy_port, 127.0.0.1:proxy_port
+        inside leads to the proxy through a unix socket, and nowhere else does."""
+        sock = ""
+        if proxy_port:
+            d = tempfile.mkdtemp(prefix="polar-net-", dir="/tmp")   # unix socket paths are short
+            sock = os.path.join(d, "proxy.sock")
+            self._bridges.append((UnixToTcp(sock, proxy_port), d))
+        return [*self.isolate, sys.executable, NETBRIDGE, str(proxy_port or 0), sock or "-", "--", *argv]
 
     def _end_group(self, proc: subprocess.Popen) -> None:
         for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
@@ -110,22 +143,33 @@ class LocalSandbox:
 
     def teardown(self) -> None:
         _kill_marked(self.mark)
+        for bridge, d in self._bridges:
+            bridge.close()
+            shutil.rmtree(d, ignore_errors=True)
+        self._bridges.clear()
         if not self.keep:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
 class LocalRuntime:
-    """Sandboxes under one directory on this machine."""
+    """Sandboxes under one directory on this machine. network: "isolated" (a network
+    namespace per session that reaches only the proxy), "host", or "auto" (isolated where
+    the machine allows it)."""
 
-    def __init__(self, base: str | Path | None = None, keep: bool = False):
+    def __init__(self, base: str | Path | None = None, keep: bool = False, network: str = "auto"):
         self.base = Path(base) if base else Path(tempfile.mkdtemp(prefix="polar-sessions-"))
         self.base.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.keep = keep
+        if network not in ("auto", "isolated", "host"):
+            raise ValueError(f"network must be auto, isolated or host, not {network!r}")
+        self.isolate = None if network == "host" else unshare_argv()
+        if network == "isolated" and self.isolate is None:
+            raise RuntimeError("network isolation asked for, but `unshare -n` is not allowed here")
 
     def prepare(self, session_id: str, workspace: Workspace) -> LocalSandbox:
         safe = session_id.replace("/", "_").replace("~", "-")
         root = Path(tempfile.mkdtemp(prefix=f"{safe}-", dir=self.base))
-        box = LocalSandbox(root, self.keep)
+        box = LocalSandbox(root, self.keep, self.isolate)
         for d in (box.home, box.tmp, box.logs):
             d.mkdir(mode=0o700)
         try:

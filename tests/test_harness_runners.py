@@ -64,6 +64,8 @@ def test_cli_completes_a_tool_loop_through_the_proxy(name, scripted, start_proxy
     sid = f"{task}~0"
     bodies = scripted.bodies[seen:]
     assert any(MARKER in r for r in tool_results(bodies)), "the tool's output never reached the model"
+    if name == "gemini":   # its router call comes first, asking for schema-shaped JSON
+        assert (bodies[0].get("response_format") or {}).get("type") == "json_schema"
     cols, rows = query(proxy.db, "SELECT count(*), count(error), max(seq) FROM call_records "
                                  "WHERE session_id = ?", [sid])
     n, errors, last = rows[0]

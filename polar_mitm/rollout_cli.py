@@ -130,7 +130,8 @@ def register(main: click.Group) -> None:
             click.echo(progress_line(server.status(), t0))
             print_summary(server, ids)
         except KeyboardInterrupt:
-            click.echo("interrupted: sessions in flight are cancelled; rerun the same command to resume")
+            click.echo("interrupted: sessions in flight were stopped and go back in the queue; "
+                       "rerun the same command to resume")
         finally:
             if node:
                 node.stop()

@@ -126,15 +126,22 @@ def test_scored_group_reaches_the_callback_after_retries_and_rewards_are_stored(
         cb.close()
 
 
-def test_early_stop_cancels_the_stragglers(stack):
-    _, server, _ = stack
-    # samples 0 and 1 finish at once; 2 and 3 would run for a minute
-    cmd = 'case "$POLAR_SESSION" in *~0|*~1) ' + FAKE + ' ok 0;; *) ' + FAKE + ' slow:60 0;; esac'
-    server.submit({"task_id": "early", "instruction": "x", "harness": "command", "num_samples": 4,
-                   "early_stop": 2, "command": cmd, "evaluator": "echo 1"})
-    t0 = time.monotonic()
-    assert server.wait(["early"], timeout=60)
-    assert time.monotonic() - t0 < 30
+def test_early_stop_cancels_the_stragglers(tmp_path):
+    server = RolloutServer(str(tmp_path / "r.duckdb")).start()
+    # four RUN slots: all four samples run at once, whatever order set-up finishes in
+    node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=1, ca_path="", init_workers=4, run_workers=4,
+                                  heartbeat_s=0.1), runtime=LocalRuntime(tmp_path / "s")).start()
+    try:
+        # samples 0 and 1 finish at once; 2 and 3 would run for a minute
+        cmd = 'case "$POLAR_SESSION" in *~0|*~1) ' + FAKE + ' ok 0;; *) ' + FAKE + ' slow:60 0;; esac'
+        server.submit({"task_id": "early", "instruction": "x", "harness": "command", "num_samples": 4,
+                       "early_stop": 2, "command": cmd, "evaluator": "echo 1"})
+        t0 = time.monotonic()
+        assert server.wait(["early"], timeout=90)
+        assert time.monotonic() - t0 < 30
+    finally:
+        node.stop()
+        server.stop()
     states = {s["session_id"]: s["state"] for s in server.group("early")["sessions"]}
     assert states == {"early~0": "done", "early~1": "done", "early~2": "cancelled", "early~3": "cancelled"}
     assert server.task_status("early")["state"] == "done"
@@ -319,3 +326,27 @@ def test_an_isolated_session_reaches_the_proxy_and_nothing_else(stack, tmp_path)
     assert rows == [(1,)]
     assert s["stats"]["eval_output"].split() == \
         ["outside", "ConnectionRefusedError", "proxy", "open", "dns", "gaierror"], s["stats"]
+
+
+def test_a_node_that_stops_hands_its_sessions_back(tmp_path):
+    server = RolloutServer(str(tmp_path / "r.duckdb")).start()
+    cfg = dict(server_url=server.url, proxy_port=1, ca_path="", init_workers=1, run_workers=1, heartbeat_s=0.1)
+    first = GatewayNode(NodeConfig(node_id="first", **cfg), runtime=LocalRuntime(tmp_path / "a")).start()
+    second = None
+    try:
+        server.submit({"task_id": "handback", "instruction": "x", "harness": "command", "num_samples": 3,
+                       "command": f"{FAKE} slow:1 0", "evaluator": "test -f result.txt"})
+        _wait(lambda: server.status()["sessions"].get("run", 0) == 1, 30, "a session running")
+        first.stop()
+        st = server.status()["sessions"]
+        assert st.get("pending") == 3 and not set(st) - {"pending", "lost"}, st   # all back in the queue
+        second = GatewayNode(NodeConfig(node_id="second", **cfg), runtime=LocalRuntime(tmp_path / "b")).start()
+        assert server.wait(["handback"], timeout=60)
+        g = server.group("handback")
+    finally:
+        if second:
+            second.stop()
+        server.stop()
+    assert all(s["state"] == "done" and s["node_id"] == "second" and s["reward"] == 1.0 for s in g["sessions"])
+    # the one that had started running is a new attempt; the others never ran and keep their names
+    assert sorted(s["session_id"] for s in g["sessions"]) == ["handback~0.r2", "handback~1", "handback~2"]

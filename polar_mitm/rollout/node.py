@@ -73,6 +73,7 @@ class GatewayNode:
         self._stage: dict[str, str] = {}
         self._outbox: list[dict] = []
         self._stop = threading.Event()
+        self._releasing = False
         self._threads: list[threading.Thread] = []
         self._client = httpx.Client(timeout=10.0, trust_env=False)
         self.heartbeats_ok = 0
@@ -94,8 +95,10 @@ class GatewayNode:
         self._threads.append(t)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel what is held, report it, and stop."""
+        """End what is held and hand it back to the server ("released": it runs them again,
+        elsewhere or after a restart), then stop."""
         with self._lock:
+            self._releasing = True
             held = list(self._held.values())
         for w in held:
             self._cancel(w)
@@ -120,14 +123,17 @@ class GatewayNode:
         with self._lock:
             stages = list(self._stage.values())
         pre_post = sum(1 for s in stages if s != "post_run")
-        return {"slots": self.slots, "free": max(0, self.slots - pre_post),
+        free = 0 if self._releasing else max(0, self.slots - pre_post)   # a stopping node takes none
+        return {"slots": self.slots, "free": free,
                 "running": stages.count("run"), "ready": stages.count("ready"),
                 "post_run": stages.count("post_run")}
 
     # -- reporting ---------------------------------------------------------------------
     def _report(self, w: Work, state: str, **extra) -> None:
         with self._lock:
-            if state in ("done", "timed_out", "failed", "cancelled"):
+            if self._releasing and state == "cancelled":
+                state, extra = "released", {"reason": f"node {self.cfg.node_id} stopped"}
+            if state in ("done", "timed_out", "failed", "cancelled", "released"):
                 self._held.pop(w.session_id, None)
                 self._stage.pop(w.session_id, None)
             else:

@@ -246,8 +246,13 @@ class RolloutServer:
     def _apply(self, node_id: str, ev: dict) -> None:
         s = self.sessions.get(ev.get("session_id"))
         state = ev.get("state")
-        if s is None or s.node_id != node_id or s.state in TERMINAL or state not in ORDER:
+        if s is None or s.node_id != node_id or s.state in TERMINAL:
             return   # stale: the session moved on (lost node, cancelled, retried)
+        if state == "released":      # the node is shutting down: run it again
+            self._requeue(s, ev.get("reason") or f"released by node {node_id}")
+            return
+        if state not in ORDER:
+            return
         s.state = state
         if "reward" in ev:
             s.reward = ev["reward"]
@@ -497,6 +502,9 @@ def _handler(server: RolloutServer):
                 return self._send(status, {"error": {"message": str(e)}})
             except (KeyError, TypeError) as e:
                 return self._send(400, {"error": {"message": f"bad request: {e}"}})
+            except Exception as e:    # e.g. the database stayed busy: the client may retry
+                log.exception("request failed")
+                return self._send(503, {"error": {"message": f"not saved yet, retry: {e}"}})
             self._send(404, {"error": {"message": f"no route {self.path}"}})
 
     return Handler

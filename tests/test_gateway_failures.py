@@ -308,7 +308,7 @@ def test_max_body_is_validated():
     gw = PolarGateway()
     with taddons.context(Proxyserver(), gw) as tctx:
         tctx.configure(gw, polar_max_body="2m")
-        assert gw.max_body == 2 << 20 and tctx.options.body_size_limit == str(2 << 20)
+        assert gw.model_calls.max_body == 2 << 20 and tctx.options.body_size_limit == str(2 << 20)
         with pytest.raises(exceptions.OptionsError, match="polar_max_body"):
             tctx.configure(gw, polar_max_body="lots")
 

@@ -4,7 +4,7 @@ mitmdump. (TLS, the CA and the proxy modes stay in the mitmdump end-to-end tests
 import asyncio
 
 import pytest
-from mitmproxy import exceptions
+from mitmproxy import exceptions, hooks
 from mitmproxy.test import taddons, tflow
 
 from polar_mitm.addons.gateway import PolarGateway
@@ -20,16 +20,16 @@ def test_options_changed_with_set_take_effect(tmp_path):
         with taddons.context(gw) as tctx:
             tctx.configure(gw, polar_db=str(tmp_path / "a.duckdb"), polar_backend_timeout=5,
                            polar_max_concurrency=2, polar_sampling="temperature=1.0")
-            first = gw._http()
-            assert first.timeout.read == 5 and gw._slots is not None
+            first = gw.backend.client
+            assert first.timeout.read == 5 and gw.backend.slots is not None
             tctx.configure(gw, polar_backend_timeout=7, polar_max_concurrency=0)
-            second = gw._http()
-            assert second is not first and second.timeout.read == 7 and gw._slots is None
-            assert gw.overrides == {"temperature": 1.0}
+            second = gw.backend.client
+            assert second is not first and second.timeout.read == 7 and gw.backend.slots is None
+            assert gw.model_calls.overrides == {"temperature": 1.0}
             tctx.configure(gw, polar_sampling="max_tokens=64")
-            assert gw.overrides == {"max_tokens": 64}
-            gw.done()
-            assert gw.client is None
+            assert gw.model_calls.overrides == {"max_tokens": 64}
+            tctx.master.addons.trigger(hooks.DoneHook())
+            assert gw.backend.client is None
     run(main())
 
 
@@ -53,7 +53,7 @@ def test_server_connections_are_never_opened():
             f = tflow.tflow()
             from mitmproxy.proxy import server_hooks
             data = server_hooks.ServerConnectionHookData(server=f.server_conn, client=f.client_conn)
-            gw.server_connect(data)
+            gw.backstop.server_connect(data)
             assert data.server.error
     run(main())
 
@@ -65,12 +65,75 @@ def test_local_answers_and_health(tmp_path):
             tctx.configure(gw, polar_db=str(tmp_path / "a.duckdb"))
             health = tflow.tflow()
             health.request.method, health.request.path = "GET", "/_polar/health"
-            await gw.request(health)
+            await gw.model_calls.request(health)
+            await gw.local.request(health)
             assert health.response.status_code == 200 and b'"polar":"ok"' in health.response.content
             telemetry = tflow.tflow()
             telemetry.request.method, telemetry.request.path = "POST", "/api/event_logging/batch"
             telemetry.request.content = b'{"events": []}'
-            await gw.request(telemetry)
+            await gw.model_calls.request(telemetry)
+            await gw.local.request(telemetry)
             assert telemetry.response.status_code == 204
-            gw.done()
+            gw.model_calls.done()
+    run(main())
+
+
+async def through(gw, flow):
+    """The request hook of every addon, in the order mitmproxy runs them."""
+    for a in gw.addons:
+        if hasattr(a, "request"):
+            res = a.request(flow)
+            if asyncio.iscoroutine(res):
+                await res
+
+
+def test_a_model_call_in_process_is_answered_recorded_and_attributed(tmp_path):
+    from fake_vllm import FakeVLLM
+    from polar_mitm.store import query
+
+    async def main():
+        gw = PolarGateway()
+        with FakeVLLM() as fake, taddons.context(gw) as tctx:
+            tctx.configure(gw, polar_db=str(tmp_path / "a.duckdb"), polar_backend=fake.url)
+            await gw.model_calls.running()
+            connect = tflow.tflow()
+            connect.request.headers["proxy-authorization"] = "Basic " + __import__("base64").b64encode(
+                b"fixbug~3:x").decode()
+            gw.users.http_connect(connect)
+            f = tflow.tflow()
+            f.client_conn = connect.client_conn
+            f.request.method, f.request.path = "POST", "/v1/chat/completions?key=s3cret"
+            f.request.host = "api.openai.com"
+            f.request.content = b'{"model": "gpt-x", "messages": [{"role": "user", "content": "hi"}]}'
+            await through(gw, f)
+            assert f.response.status_code == 200
+            assert f.response.json()["choices"][0]["message"]["content"] == "ok"
+            assert "s3cret" not in f.request.path                     # redacted for mitmdump's log
+            stray = tflow.tflow()
+            stray.request.method, stray.request.path = "POST", "/v1/unknown"
+            gw.local.request = lambda flow: None                      # pretend an addon forgot it
+            await through(gw, stray)
+            assert stray.response.status_code == 500                  # never upstream
+            tctx.master.addons.trigger(hooks.DoneHook())
+        _, rows = query(tmp_path / "a.duckdb", "SELECT session_id, status_code, path FROM call_records")
+        assert rows == [("fixbug~3", 200, "/v1/chat/completions")]
+    run(main())
+
+
+def test_only_the_loopback_relay_may_be_connected_to():
+    from mitmproxy.proxy import server_hooks
+
+    async def main():
+        gw = PolarGateway()
+        with taddons.context(gw):
+            await gw.relay.start()
+            allowed, other = tflow.tflow(), tflow.tflow()
+            allowed.server_conn.address = gw.relay.address
+            other.server_conn.address = ("127.0.0.1", 22)
+            for f in (allowed, other):
+                data = server_hooks.ServerConnectionHookData(server=f.server_conn, client=f.client_conn)
+                gw.backstop.server_connect(data)
+            assert allowed.server_conn.error is None and other.server_conn.error
+            gw.relay.close()
+            assert gw.relay.addresses() == ()
     run(main())

@@ -1,0 +1,135 @@
+"""The vLLM client, as an addon: built in configure from the polar_backend* options, rebuilt
+when they change (--set), closed in done. The other addons ask it for completions, token
+counts, the served model and the policy version."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import orjson
+from mitmproxy import ctx, exceptions
+
+from polar_mitm.adapters import backend
+from polar_mitm.adapters.chat import AdapterError
+
+_JSON = {"content-type": "application/json"}
+
+
+class BackendUnavailable(AdapterError):
+    status, kind = 503, "overloaded"
+
+
+class BackendTimeout(AdapterError):
+    status, kind = 504, "timeout"
+
+
+class BackendClient:
+    def __init__(self):
+        self.client: httpx.AsyncClient | None = None
+        self.slots: asyncio.Semaphore | None = None     # polar_max_concurrency
+        self.base = ""
+        self.timeout = 600
+        self.served_model: str | None = None
+        self.max_model_len: int | None = None           # from the backend's model list
+        self._listed = False
+        self._policy: tuple[float, str | None] = (0.0, None)
+
+    def load(self, loader):
+        loader.add_option("polar_backend", str, "http://127.0.0.1:8000",
+                          "Base URL of the vLLM OpenAI-compatible server.")
+        loader.add_option("polar_served_model", str, "",
+                          "Model name to ask the backend for (empty: the first one it serves).")
+        loader.add_option("polar_backend_timeout", int, 600, "Seconds to wait for the backend.")
+        loader.add_option("polar_max_concurrency", int, 0,
+                          "Calls in flight to the backend at once (0: unlimited).")
+        loader.add_option("polar_policy_version", str, "",
+                          "Policy tag recorded when the backend reports no weight version.")
+
+    def configure(self, updated):
+        if "polar_backend_timeout" in updated and ctx.options.polar_backend_timeout <= 0:
+            raise exceptions.OptionsError("polar_backend_timeout must be > 0")
+        if "polar_max_concurrency" in updated and ctx.options.polar_max_concurrency < 0:
+            raise exceptions.OptionsError("polar_max_concurrency must be >= 0")
+        if "polar_served_model" in updated or "polar_backend" in updated:
+            self.served_model = ctx.options.polar_served_model or None
+            self._listed = False
+        if {"polar_backend", "polar_backend_timeout", "polar_max_concurrency"} & set(updated) or self.client is None:
+            self._close()
+            self.base = ctx.options.polar_backend.rstrip("/")
+            self.timeout = ctx.options.polar_backend_timeout
+            limit = ctx.options.polar_max_concurrency or None
+            self.client = httpx.AsyncClient(
+                timeout=httpx.Timeout(self.timeout, connect=10),
+                limits=httpx.Limits(max_connections=limit, max_keepalive_connections=32),
+                trust_env=False)  # the backend is never reached through a proxy
+            self.slots = asyncio.Semaphore(limit) if limit else None
+
+    def done(self):
+        self._close()
+
+    def _close(self) -> None:
+        client, self.client = self.client, None
+        if client is not None:
+            try:
+                asyncio.get_running_loop().create_task(client.aclose())
+            except RuntimeError:   # no loop any more: its sockets go with the process
+                pass
+
+    async def complete(self, backend_body: dict) -> tuple[dict, bytes | None]:
+        """vLLM's answer, and its prompt token ids as JSON text."""
+        try:
+            resp = await self.client.post(self.base + "/v1/chat/completions",
+                                          content=orjson.dumps(backend_body), headers=_JSON)
+        except httpx.TimeoutException:
+            raise BackendTimeout(f"the model backend did not answer within {self.timeout}s") from None
+        except httpx.HTTPError as e:
+            raise BackendUnavailable(f"the model backend is unavailable: {type(e).__name__}") from None
+        if resp.status_code != 200:
+            raise backend.backend_error(resp.status_code, resp.content)
+        try:
+            return backend.parse_completion(resp.content)
+        except orjson.JSONDecodeError:
+            raise backend.BackendError("the model backend answered with invalid JSON") from None
+
+    async def tokenize(self, backend_body: dict) -> int:
+        """The prompt's token count from vLLM's /tokenize, rendered as the completion will be."""
+        keys = ("model", "messages", "tools", "add_generation_prompt", "continue_final_message")
+        tok = {k: backend_body[k] for k in keys if k in backend_body}
+        resp = await self.client.post(self.base + "/tokenize", content=orjson.dumps(tok), headers=_JSON)
+        if resp.status_code != 200:
+            raise backend.backend_error(resp.status_code, resp.content)
+        return int(orjson.loads(resp.content).get("count", 0))
+
+    async def served(self) -> str:
+        """The model asked for, and the backend's context length, from its model list (once)."""
+        if self._listed:
+            return self.served_model
+        try:
+            resp = await self.client.get(self.base + "/v1/models", timeout=10)
+            models = resp.json()["data"]
+            wanted = self.served_model or models[0]["id"]
+            entry = next((m for m in models if m["id"] == wanted), models[0])
+            self.max_model_len = entry.get("max_model_len")
+            self.served_model = wanted
+            self._listed = True
+        except (httpx.HTTPError, ValueError, KeyError, IndexError):
+            raise BackendUnavailable("the model backend is unavailable (no model list)") from None
+        return self.served_model
+
+    async def policy_version(self) -> str | None:
+        """The backend's weight version (vLLM dev-mode /weight_info), refreshed each second."""
+        fetched_at, value = self._policy
+        if time.monotonic() - fetched_at < 1.0:
+            return value
+        value = ctx.options.polar_policy_version or None
+        try:
+            resp = await self.client.get(self.base + "/weight_info", timeout=2)
+            if resp.status_code == 200:
+                reported = resp.json().get("weight_version")
+                value = str(reported) if reported is not None else value
+        except (httpx.HTTPError, ValueError, AttributeError):
+            pass
+        self._policy = (time.monotonic(), value)
+        return value

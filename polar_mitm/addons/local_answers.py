@@ -1,0 +1,92 @@
+"""Local answers: everything that is not a model call (telemetry, feature flags, model lists,
+token counts, WebSocket attempts, the health check) is answered here at once, so harness
+runs never hang on it, and none of it is forwarded."""
+
+from __future__ import annotations
+
+import httpx
+import orjson
+from mitmproxy import ctx, http
+
+from polar_mitm import adapters
+from polar_mitm.adapters import backend
+from polar_mitm.adapters.chat import AdapterError
+from polar_mitm.adapters.detect import is_count_tokens, split_path
+
+from . import sessions
+from .backend_client import BackendClient
+from .bodies import is_websocket
+from .model_calls import ModelCalls, overloaded_status, read_body
+from .relay import META
+
+_JSON = {"content-type": "application/json"}
+HEALTH_PATH = "/_polar/health"
+
+
+class LocalAnswers:
+    def __init__(self, backend_client: BackendClient, model_calls: ModelCalls):
+        self.backend, self.model_calls = backend_client, model_calls
+
+    async def request(self, flow: http.HTTPFlow):
+        if flow.response is not None or META in flow.metadata:
+            return
+        try:
+            await self._answer(flow)
+        finally:
+            # mitmdump prints the URL of every flow: a ?key= secret must not reach its log.
+            flow.request.path = sessions.redact_query(flow.request.path)
+
+    async def _answer(self, flow: http.HTTPFlow):
+        req = flow.request
+        path, _ = split_path(req.path)
+        if path == HEALTH_PATH:  # launchers check that the addon is loaded and answering
+            flow.response = http.Response.make(200, orjson.dumps(
+                {"polar": "ok", "db": ctx.options.polar_db, "calls": self.model_calls.calls}), _JSON)
+        elif is_websocket(req):
+            # Codex tries Responses-over-WebSocket first and falls back to HTTPS on 404.
+            flow.response = http.Response.make(404, b'{"error": "websocket transport not offered"}', _JSON)
+        elif req.method == "POST" and is_count_tokens(path):
+            body, _ = read_body(req, self.model_calls.max_body)
+            flow.response = await self._count_tokens(req, body) if isinstance(body, dict) \
+                else http.Response.make(400, b'{"error": "request body must be a JSON object"}', _JSON)
+        elif req.method == "GET" and path.endswith("/models"):
+            flow.response = http.Response.make(200, orjson.dumps(await self._model_list(path)), _JSON)
+        elif req.method in ("HEAD", "OPTIONS"):
+            flow.response = http.Response.make(200, b"")
+        elif req.method == "GET":
+            flow.response = http.Response.make(404, b'{"error": "not found"}', _JSON)
+        else:
+            flow.response = http.Response.make(204, b"")
+
+    async def _model_list(self, path: str) -> dict:
+        try:
+            name = await self.backend.served()
+        except AdapterError:
+            name = "unavailable"
+        if "/backend-api/codex/" in path:
+            return {"models": []}  # Codex falls back to its built-in model metadata
+        if "/v1beta/" in path:
+            return {"models": [{"name": f"models/{name}", "displayName": name,
+                                "supportedGenerationMethods": ["generateContent"]}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
+                                            "owned_by": "polar-mitm"}]}
+
+    async def _count_tokens(self, req: http.Request, body: dict) -> http.Response:
+        style = "google" if ":countTokens" in req.path else "anthropic"
+        mod = adapters.adapter(style)
+        try:
+            if style == "google":
+                normalized = mod.to_chat(body.get("generateContentRequest") or body,
+                                         req.path.replace(":countTokens", ":generateContent"))
+            else:
+                normalized = mod.to_chat({"max_tokens": 1, **body})
+            served = await self.backend.served()
+            count = await self.backend.tokenize(backend.to_backend(normalized, served))
+        except AdapterError as e:
+            return http.Response.make(e.status, orjson.dumps(mod.error(e.status, str(e), e.kind)), _JSON)
+        except httpx.HTTPError:
+            status = overloaded_status(mod)
+            return http.Response.make(status, orjson.dumps(
+                mod.error(status, "the model backend is unavailable", "overloaded")), _JSON)
+        answer = {"totalTokens": count} if style == "google" else {"input_tokens": count}
+        return http.Response.make(200, orjson.dumps(answer), _JSON)

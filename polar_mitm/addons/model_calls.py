@@ -1,0 +1,337 @@
+"""Model calls: a harness's API call goes to vLLM and comes back in the harness's own format,
+recorded (durably appended to the call log) before it is answered.
+
+Thin glue: the adapters translate, the BackendClient addon talks to vLLM, the store writes.
+Requests that are not model calls are left to the LocalAnswers addon."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+
+import orjson
+from mitmproxy import ctx, exceptions, http
+from mitmproxy.utils import human
+
+from polar_mitm import adapters
+from polar_mitm.adapters import backend
+from polar_mitm.adapters.chat import AdapterError
+from polar_mitm.adapters.detect import is_count_tokens, split_path
+from polar_mitm.store import CallWriter
+
+from . import sessions
+from .backend_client import BackendClient
+from .bodies import BodyTooLarge, bounded, decoded_body, depth_ok, has_image, is_websocket, MAX_BODY_DEPTH
+from .proxy_users import ProxyUsers
+from .relay import StreamRelay
+
+log = logging.getLogger("polar")
+
+_JSON = {"content-type": "application/json"}
+
+# Bytes a chat template adds around the messages (roles, tool instructions); the messages'
+# JSON is otherwise longer than their rendered text.
+TEMPLATE_SLACK = 4096
+
+
+def parse_overrides(text: str) -> dict:
+    """--set polar_sampling=temperature=1.0,max_tokens=512"""
+    out = {}
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise exceptions.OptionsError(f"polar_sampling: expected KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def overloaded_status(mod) -> int:
+    # Anthropic clients retry 529 (overloaded); the other providers use 503.
+    return getattr(mod, "OVERLOADED_STATUS", 503)
+
+
+def read_body(req: http.Request, limit: int):
+    """(parsed JSON or an AdapterError or None, text) of a POST body."""
+    if req.method != "POST":
+        return None, None
+    try:
+        raw = decoded_body(req, limit) or b"null"
+    except AdapterError as e:  # too large or undecodable: answered as a failed call
+        return e, None
+    text = raw.decode("utf-8", errors="replace")
+    try:
+        return orjson.loads(raw), text
+    except orjson.JSONDecodeError:
+        return None, text   # kept as sent; the call is a 400
+
+
+class ModelCalls:
+    def __init__(self, backend_client: BackendClient, users: ProxyUsers, relay: StreamRelay):
+        self.backend, self.users, self.relay = backend_client, users, relay
+        self.writer: CallWriter | None = None
+        self.overrides: dict = {}
+        self.filters: dict[str, re.Pattern | None] = {}   # polar_model_hosts/_paths
+        self.max_body = 64 * 1024 * 1024                    # polar_max_body, in bytes
+        self.keepalive = 10.0
+        # session -> (request text length, prompt tokens) of its last call: bounds the next prompt
+        self._prompt_sizes: dict[str, tuple[int, int]] = {}
+        self.calls = 0
+
+    def load(self, loader):
+        loader.add_option("polar_db", str, "rollouts.duckdb", "DuckDB file the calls are written to.")
+        loader.add_option("polar_session_key", str, "auto",
+                          "How calls are attributed to sessions: auto (proxy user, then API "
+                          "key, then client), proxy-user, api-key, client.",
+                          choices=sessions.SCHEMES)
+        # Plain strings, not Sequence[str]: mitmproxy 11 rejects repeated --set of a script's
+        # sequence option ("Received multiple values"), and a failed addon load would let
+        # traffic through to the real hosts.
+        loader.add_option("polar_sampling", str, "",
+                          "Sampling overrides sent to the backend, comma-separated KEY=VALUE "
+                          "(JSON values), e.g. temperature=1.0,max_tokens=512; max_tokens "
+                          "caps the harness's own value.")
+        loader.add_option("polar_model_hosts", str, "",
+                          "Regex of hosts whose API calls are model calls (empty: any host).")
+        loader.add_option("polar_model_paths", str, "",
+                          "Regex of request paths that may be model calls (empty: any path "
+                          "the adapters recognise); other paths are answered locally.")
+        loader.add_option("polar_max_body", str, "64m",
+                          "Largest request body, as sent and once decompressed (e.g. 64m); "
+                          "larger ones get a 413. Also caps mitmproxy's body_size_limit.")
+        loader.add_option("polar_stream_keepalive", str, "10",   # str: mitmproxy options take no floats
+                          "Seconds a streaming call may wait for the backend before its SSE "
+                          "headers go out, followed by a keepalive comment every as many "
+                          "seconds until the answer (0: off; the answer then goes out whole).")
+
+    def configure(self, updated):
+        if "polar_max_body" in updated:
+            try:
+                limit = human.parse_size(ctx.options.polar_max_body)
+            except ValueError:
+                limit = None
+            if not limit or limit <= 0:
+                raise exceptions.OptionsError(
+                    f"polar_max_body: expected a size like 64m, got {ctx.options.polar_max_body!r}")
+            self.max_body = limit
+        if ("polar_max_body" in updated or "body_size_limit" in updated) and "body_size_limit" in ctx.options:
+            # mitmproxy stops reading a larger body itself (its own 413), so memory stays bounded.
+            current = human.parse_size(ctx.options.body_size_limit)
+            if current is None or current > self.max_body:
+                ctx.options.body_size_limit = str(self.max_body)
+        if "polar_sampling" in updated:
+            self.overrides = parse_overrides(ctx.options.polar_sampling)
+        for name in ("polar_model_hosts", "polar_model_paths"):
+            if name in updated:
+                try:
+                    value = getattr(ctx.options, name)
+                    self.filters[name] = re.compile(value) if value else None
+                except re.error as e:
+                    raise exceptions.OptionsError(f"{name}: {e}") from None
+        if "polar_stream_keepalive" in updated:
+            try:
+                seconds = float(ctx.options.polar_stream_keepalive)
+            except ValueError:
+                seconds = -1.0
+            if not 0 <= seconds < 3600:
+                raise exceptions.OptionsError("polar_stream_keepalive: seconds from 0 (off) to 3600, "
+                                              f"got {ctx.options.polar_stream_keepalive!r}")
+            self.keepalive = seconds
+        if "polar_db" in updated and self.writer and self.writer.db_path != ctx.options.polar_db:
+            self.writer.close()
+            self.writer = None
+
+    async def running(self):
+        self._ensure_writer()
+        await self.relay.start()
+
+    def done(self):
+        self.relay.close()
+        if self.writer:
+            self.writer.close()
+            self.writer = None
+
+    def _ensure_writer(self) -> CallWriter:
+        if self.writer is None:
+            self.writer = CallWriter(ctx.options.polar_db).start()
+        return self.writer
+
+    # ---- hooks -------------------------------------------------------------------------
+
+    async def request(self, flow: http.HTTPFlow):
+        if flow.response is not None:
+            return
+        try:
+            await self._route(flow)
+        except Exception:  # a bug: answered here, so no other addon mistakes it for telemetry
+            log.exception("polar: unexpected error")
+            flow.response = http.Response.make(500, orjson.dumps(
+                {"error": {"message": "polar-mitm internal error", "type": "api_error"}}), _JSON)
+
+    async def _route(self, flow: http.HTTPFlow):
+        req = flow.request
+        if not self.may_be_model_call(req) or is_count_tokens(req.path) or is_websocket(req):
+            return
+        body, text = read_body(req, self.max_body)
+        style = adapters.detect(req.method, req.path, dict(req.headers), body)
+        if not style:
+            return
+        # mitmdump prints the URL of every flow: a ?key= secret must not reach its log.
+        query = split_path(req.path)[1]
+        req.path = sessions.redact_query(req.path)
+        shape: dict = {}
+        answer = asyncio.ensure_future(self.call(flow, style, body, text, query, shape))
+        if self.keepalive and self.relay.address:
+            done, _ = await asyncio.wait({answer}, timeout=self.keepalive)
+            if not done and shape.get("stream"):
+                self.relay.hand_over(flow, answer, shape["content_type"], self.keepalive)
+                return
+        status, content, headers = await answer
+        flow.response = http.Response.make(status, content, headers)
+
+    def responseheaders(self, flow: http.HTTPFlow):
+        self.relay.responseheaders(flow)
+
+    async def error(self, flow: http.HTTPFlow):
+        # mitmproxy stopped reading a body over body_size_limit and answered 413 itself.
+        if (flow.response is None and flow.error and "body_size_limit" in flow.error.msg
+                and self.may_be_model_call(flow.request)):
+            style = adapters.detect(flow.request.method, flow.request.path, dict(flow.request.headers))
+            if style:
+                await self.call(flow, style, BodyTooLarge(
+                    f"request body is larger than polar_max_body ({self.max_body} bytes)"), None,
+                    split_path(flow.request.path)[1], {})
+
+    def may_be_model_call(self, req: http.Request) -> bool:
+        hosts, paths = self.filters.get("polar_model_hosts"), self.filters.get("polar_model_paths")
+        return ((hosts is None or bool(hosts.search(req.pretty_host)))
+                and (paths is None or bool(paths.search(split_path(req.path)[0]))))
+
+    # ---- one call ----------------------------------------------------------------------
+
+    async def call(self, flow: http.HTTPFlow, style: str, body, text: str | None, query: str,
+                   shape: dict) -> tuple[int, bytes, dict]:
+        """The answer (status, body, headers), recorded before it is returned. Never raises:
+        failures are answers in the client's error format."""
+        t0 = time.perf_counter()
+        mod = adapters.adapter(style)
+        req = flow.request
+        session = self._session(flow, query)
+        record = {"call_id": str(uuid.uuid4()), "style": style, "method": req.method,
+                  "path": sessions.redact_query(req.path), "started_at": time.time(),
+                  # The harness's bytes as sent: the conversation is stored once, and its
+                  # normalized form is what the pure adapters make of it.
+                  "request_text": (f"<request body not kept: {body}>" if isinstance(body, AdapterError)
+                                   else text if text is not None else ""),
+                  "queue_ms": 0.0, "backend_ms": 0.0}
+        try:
+            status, content, headers = await self._serve(mod, body, req.path, record,
+                                                         session["session_id"], shape)
+        except Exception as e:  # recorded like any failure; the harness gets its own error shape
+            if not isinstance(e, AdapterError):
+                log.exception("polar: unexpected error in a model call")
+            status, kind = (e.status, e.kind) if isinstance(e, AdapterError) else (500, "backend_error")
+            if kind == "overloaded":
+                status = overloaded_status(mod)
+            # A bug's Python text goes to the log and the record, not to the harness.
+            message = (str(e) or type(e).__name__) if isinstance(e, AdapterError) \
+                else "polar-mitm internal error"
+            answer = mod.error(status, message, kind)
+            content, headers = orjson.dumps(answer), dict(_JSON)
+            record.update(status_code=status, response_json=answer, error=str(e)[:2000] or repr(e),
+                          error_kind=kind)
+            if "prompt_token_ids" not in record:   # rejected before any tokens: keep a bounded head
+                record["request_text"] = bounded(record["request_text"])
+        record["_t0"] = t0   # the writer stamps total_ms at the durable append the harness waits for
+        try:
+            await asyncio.wrap_future(self._ensure_writer().submit(session, record))
+        except Exception as e:  # not recorded -> not acknowledged: the harness retries
+            log.error("polar: could not record call: %s", e)
+            status = overloaded_status(mod)
+            content = orjson.dumps(mod.error(status, f"recording failed: {e}", "overloaded"))
+            headers = dict(_JSON)
+        self.calls += 1
+        return status, content, headers
+
+    async def _serve(self, mod, body, path: str, record: dict, session_id: str,
+                     shape: dict) -> tuple[int, bytes, dict]:
+        """Translate, complete on the backend, answer in the client's format; fills record."""
+        if isinstance(body, AdapterError):  # the body could not be read (too large, bad encoding)
+            raise body
+        if not isinstance(body, dict):
+            raise AdapterError("request body must be a JSON object")
+        if not depth_ok(body):
+            raise AdapterError(f"request body is nested deeper than {MAX_BODY_DEPTH} levels")
+        normalized = mod.to_chat(body, path)
+        if normalized["stream"]:
+            shape.update(stream=True, content_type=adapters.stream_content_type(normalized))
+        record.update(stream=normalized["stream"], requested_model=normalized["model"],
+                      dropped=normalized["dropped"])
+        served = await self.backend.served()
+        backend_body = backend.to_backend(normalized, served, self.overrides, self.backend.max_model_len)
+        await self._fit_max_tokens(backend_body, session_id, len(record["request_text"]))
+        # What vLLM got besides the conversation (sampling, max_tokens as fitted, template flags).
+        record.update(served_model=served, backend_params={
+            k: v for k, v in backend_body.items() if k not in ("messages", "tools")})
+        slots = self.backend.slots
+        q0 = time.perf_counter()
+        if slots:
+            await slots.acquire()
+        try:
+            b0 = time.perf_counter()
+            record["queue_ms"] = (b0 - q0) * 1000
+            (resp_json, prompt_ids), policy = await asyncio.gather(
+                self.backend.complete(backend_body), self.backend.policy_version())
+            record["backend_ms"] = (time.perf_counter() - b0) * 1000
+        finally:
+            if slots:
+                slots.release()
+        result, tokens = backend.from_backend(resp_json, normalized)
+        answer = mod.from_chat(result, normalized)
+        self._prompt_sizes[session_id] = (len(record["request_text"]), result["usage"]["prompt_tokens"])
+        if len(self._prompt_sizes) > 10_000:
+            self._prompt_sizes.pop(next(iter(self._prompt_sizes)))
+        record.update(status_code=200, response_json=answer,
+                      prompt_token_ids=prompt_ids or b"[]", token_ids=tokens["token_ids"],
+                      logprobs=tokens["logprobs"], finish_reason=result["finish_reason"],
+                      prompt_tokens=result["usage"]["prompt_tokens"],
+                      completion_tokens=result["usage"]["completion_tokens"],
+                      usage_json=result["usage"], policy_version=tokens["policy_version"] or policy)
+        if normalized["stream"]:
+            return 200, b"".join(mod.stream(result, normalized)), {
+                "content-type": adapters.stream_content_type(normalized), "cache-control": "no-cache"}
+        return 200, orjson.dumps(answer), dict(_JSON)
+
+    async def _fit_max_tokens(self, body: dict, session_id: str, text_len: int) -> None:
+        """Caps max_tokens at what the context leaves after the prompt: some vLLM versions
+        refuse more (Claude Code asks for 64000). A token is at least one byte of the
+        harness's request text, and a session's prompt grows by at most the bytes its text
+        grows by, so the backend counts the prompt only when its size could matter."""
+        limit, wanted = self.backend.max_model_len, body.get("max_tokens")
+        if not limit or not isinstance(wanted, int):
+            return
+        bound = text_len
+        if session_id in self._prompt_sizes:
+            last_len, last_tokens = self._prompt_sizes[session_id]
+            bound = min(bound, last_tokens + max(0, text_len - last_len))
+        # an image is a short URL or base64 that renders to many tokens
+        if wanted + bound + TEMPLATE_SLACK <= limit and not has_image(body):
+            return
+        try:
+            count = await self.backend.tokenize(body)
+        except Exception as e:  # the completion call will say more
+            log.warning("polar: could not count prompt tokens, max_tokens left at %s: %s", wanted, e)
+            return
+        body["max_tokens"] = max(1, min(wanted, limit - count))
+
+    def _session(self, flow: http.HTTPFlow, query: str) -> dict:
+        return sessions.attribute(headers=dict(flow.request.headers), query=query,
+                                  proxy_auth_user=self.users.user(flow),
+                                  client_host=flow.client_conn.peername[0] if flow.client_conn.peername else "unknown",
+                                  salt=self._ensure_writer().salt,
+                                  scheme=ctx.options.polar_session_key)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import orjson
@@ -44,6 +45,7 @@ def _args(schema: dict) -> dict:
 class ScriptedVLLM:
     def __init__(self, max_model_len: int = 262144):
         self.max_model_len = max_model_len
+        self.delay = 0.0          # seconds each completion takes (a long generation)
         self.bodies: list[dict] = []
         self._ids = itertools.count(1)
         fake = self
@@ -74,6 +76,7 @@ class ScriptedVLLM:
                     n = len(fake.prompt_ids(body.get("messages") or []))
                     return self._send(200, {"count": n, "max_model_len": fake.max_model_len, "tokens": []})
                 fake.bodies.append(body)
+                time.sleep(fake.delay)
                 self._send(200, fake.answer(body))
 
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

@@ -5,6 +5,7 @@ workspace, sends the result back, and the evaluator finds the file the command w
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from polar_mitm.rollout import GatewayNode, NodeConfig, RolloutServer
@@ -39,10 +40,14 @@ def tool_results(bodies: list[dict]) -> list[str]:
     return out
 
 
+@pytest.mark.parametrize("slow", [False, True], ids=["quick", "kept-alive"])
 @pytest.mark.parametrize("name", CLIS)
-def test_cli_completes_a_tool_loop_through_the_proxy(name, scripted, start_proxy, tmp_path):
+def test_cli_completes_a_tool_loop_through_the_proxy(name, slow, scripted, start_proxy, tmp_path):
+    """kept-alive: every completion takes 1.2 s, so with a 0.3 s keepalive each streamed
+    answer reaches the CLI as SSE headers, keepalive comments, then the events."""
     installed(name)
-    proxy = start_proxy(scripted.url)
+    proxy = start_proxy(scripted.url, extra_sets=["polar_stream_keepalive=0.3"] if slow else None)
+    scripted.delay = 1.2 if slow else 0.0
     seen = len(scripted.bodies)
     server = RolloutServer(str(proxy.db)).start()
     runtime = LocalRuntime(tmp_path / "sessions", keep=True)
@@ -58,9 +63,12 @@ def test_cli_completes_a_tool_loop_through_the_proxy(name, scripted, start_proxy
         s = server.group(task)["sessions"][0]
         logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in runtime.base.glob("*/logs/*.log"))
         assert s["state"] == "done" and s["reward"] == 1.0, f"{s}\n{logs}"
+        health = httpx.get("http://polar.health/_polar/health", proxy=proxy.proxy_url(), trust_env=False).json()
     finally:
         node.stop()
         server.stop()
+        scripted.delay = 0.0
+    assert (health["streams_kept_alive"] >= 2) if slow else (health["streams_kept_alive"] == 0), health
     sid = f"{task}~0"
     bodies = scripted.bodies[seen:]
     assert any(MARKER in r for r in tool_results(bodies)), "the tool's output never reached the model"

@@ -12,6 +12,8 @@ import anthropic
 import httpx
 import openai
 import pytest
+from google import genai
+from google.genai import types
 
 from fake_vllm import FakeVLLM
 from polar_mitm.store import query
@@ -63,13 +65,18 @@ def test_the_sdks_read_a_kept_alive_stream(start_proxy, monkeypatch):
         an = anthropic.Anthropic(api_key="x", max_retries=0, timeout=60)
         with an.messages.stream(model="m", max_tokens=16, messages=MSG) as s:
             assert s.get_final_text() == "ok"
+        gg = genai.Client(api_key="x", http_options=types.HttpOptions(
+            retry_options=types.HttpRetryOptions(attempts=1),
+            client_args={"verify": ssl.create_default_context(cafile=proxy.ca)}))
+        text = "".join(c.text or "" for c in gg.models.generate_content_stream(model="m", contents="hi"))
+        assert text == "ok"
         # base-URL (reverse) mode too
         monkeypatch.delenv("HTTPS_PROXY")
         an2 = anthropic.Anthropic(api_key="polar-ka~rev", base_url=proxy.base_url, max_retries=0, timeout=60)
         with an2.messages.stream(model="m", max_tokens=16, messages=MSG) as s:
             assert s.get_final_text() == "ok"
     _, rows = query(proxy.db, "SELECT session_id, status_code FROM call_records ORDER BY created_at")
-    assert rows == [("ka~sdk", 200), ("ka~sdk", 200), ("ka~rev", 200)]
+    assert rows == [("ka~sdk", 200), ("ka~sdk", 200), ("ka~sdk", 200), ("ka~rev", 200)]
 
 
 def test_an_error_after_the_headers_is_an_sse_error_event(start_proxy):

@@ -41,7 +41,8 @@ class LocalAnswers:
         path, _ = split_path(req.path)
         if path == HEALTH_PATH:  # launchers check that the addon is loaded and answering
             flow.response = http.Response.make(200, orjson.dumps(
-                {"polar": "ok", "db": ctx.options.polar_db, "calls": self.model_calls.calls}), _JSON)
+                {"polar": "ok", "db": ctx.options.polar_db, "calls": self.model_calls.calls,
+                 "streams_kept_alive": self.model_calls.relay.handed_over}), _JSON)
         elif is_websocket(req):
             # Codex tries Responses-over-WebSocket first and falls back to HTTPS on 404.
             flow.response = http.Response.make(404, b'{"error": "websocket transport not offered"}', _JSON)

@@ -26,7 +26,7 @@ from . import sessions
 from .backend_client import BackendClient
 from .bodies import BodyTooLarge, bounded, decoded_body, depth_ok, has_image, is_websocket, MAX_BODY_DEPTH
 from .proxy_users import ProxyUsers
-from .relay import StreamRelay
+from .relay import StreamRelay, keepalive_for
 
 log = logging.getLogger("polar")
 
@@ -189,7 +189,8 @@ class ModelCalls:
         if self.keepalive and self.relay.address:
             done, _ = await asyncio.wait({answer}, timeout=self.keepalive)
             if not done and shape.get("stream"):
-                self.relay.hand_over(flow, answer, shape["content_type"], self.keepalive)
+                self.relay.hand_over(flow, answer, shape["content_type"], self.keepalive,
+                                     keepalive_for(style))
                 return
         status, content, headers = await answer
         flow.response = http.Response.make(status, content, headers)

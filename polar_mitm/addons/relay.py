@@ -21,6 +21,13 @@ log = logging.getLogger("polar")
 
 META = "polar_relay"
 KEEPALIVE = b": keepalive\n\n"
+# Google's SDKs match `^\s*data: ` on their buffer and choke on a comment line; blank lines
+# they skip (and so does any SSE parser).
+GOOGLE_KEEPALIVE = b"\n"
+
+
+def keepalive_for(style: str) -> bytes:
+    return GOOGLE_KEEPALIVE if style == "google" else KEEPALIVE
 
 
 @dataclass
@@ -28,6 +35,7 @@ class Job:
     answer: asyncio.Future          # -> (status, content, headers)
     content_type: str
     interval: float
+    keepalive: bytes
 
 
 class StreamRelay:
@@ -50,10 +58,11 @@ class StreamRelay:
         if server is not None:
             server.close()
 
-    def hand_over(self, flow: http.HTTPFlow, answer: asyncio.Future, content_type: str, interval: float) -> None:
+    def hand_over(self, flow: http.HTTPFlow, answer: asyncio.Future, content_type: str, interval: float,
+                  keepalive: bytes = KEEPALIVE) -> None:
         """Send this flow to the relay; the client gets headers now and the answer later."""
         token = secrets.token_urlsafe(18)
-        self._jobs[token] = Job(answer, content_type, interval)
+        self._jobs[token] = Job(answer, content_type, interval, keepalive)
         # A client gone before mitmproxy reached the relay leaves the job behind: drop it later.
         loop = asyncio.get_running_loop()
         answer.add_done_callback(lambda _: loop.call_later(120, self._jobs.pop, token, None))
@@ -87,7 +96,7 @@ class StreamRelay:
                 done, _ = await asyncio.wait({job.answer}, timeout=job.interval)
                 if done:
                     break
-                writer.write(_chunk(KEEPALIVE))
+                writer.write(_chunk(job.keepalive))
                 await writer.drain()
             status, content, _headers = job.answer.result()
             writer.write(_chunk(content if status == 200 else b"event: error\ndata: " + content + b"\n\n"))

@@ -350,3 +350,50 @@ def test_a_node_that_stops_hands_its_sessions_back(tmp_path):
     assert all(s["state"] == "done" and s["node_id"] == "second" and s["reward"] == 1.0 for s in g["sessions"])
     # the one that had started running is a new attempt; the others never ran and keep their names
     assert sorted(s["session_id"] for s in g["sessions"]) == ["handback~0.r2", "handback~1", "handback~2"]
+
+
+def test_scheduling_follows_load_and_priority(tmp_path):
+    """The server's side of the heartbeat protocol, driven directly: a node gets at most as
+    many sessions as it has free places, higher priority first."""
+    server = RolloutServer(str(tmp_path / "r.duckdb")).start()
+    try:
+        server.submit({"task_id": "low", "instruction": "x", "harness": "command", "command": "true",
+                       "num_samples": 2})
+        server.submit({"task_id": "high", "instruction": "x", "harness": "command", "command": "true",
+                       "num_samples": 2, "priority": 5})
+        busy = server.heartbeat({"node_id": "busy", "load": {"free": 0}, "active": [], "events": []})
+        assert busy == {"assign": [], "cancel": []}
+        got = server.heartbeat({"node_id": "idle", "load": {"free": 3}, "active": [], "events": []})
+        assert [a["session_id"] for a in got["assign"]] == ["high~0", "high~1", "low~0"]
+        assert got["assign"][0]["task"]["priority"] == 5
+        # a node that reports a session it was never given is told to cancel it
+        got = server.heartbeat({"node_id": "busy", "load": {"free": 0}, "active": ["high~0"], "events": []})
+        assert got["cancel"] == ["high~0"]
+    finally:
+        server.stop()
+    _, rows = query(tmp_path / "r.duckdb", "SELECT session_id, state, node_id FROM rollout_sessions ORDER BY 1")
+    assert rows == [("high~0", "assigned", "idle"), ("high~1", "assigned", "idle"),
+                    ("low~0", "assigned", "idle"), ("low~1", "pending", None)]
+
+
+def test_a_git_workspace_is_checked_out_at_its_commit(tmp_path):
+    from polar_mitm.rollout.spec import Workspace
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "app.py").write_text("v1\n")
+    subprocess.run(git + ["add", "."], check=True)
+    subprocess.run(git + ["commit", "-qm", "one"], check=True)
+    first = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    (repo / "app.py").write_text("v2\n")
+    subprocess.run(git + ["commit", "-qam", "two"], check=True)
+    rt = LocalRuntime(tmp_path / "s")
+    box = rt.prepare("g~0", Workspace(git=str(repo), commit=first))
+    assert (box.workdir / "app.py").read_text() == "v1\n"
+    (box.workdir / "app.py").write_text("changed by the harness\n")
+    assert (repo / "app.py").read_text() == "v2\n"          # the session's copy is its own
+    box.teardown()
+    from polar_mitm.rollout.runtime import SetupError
+    with pytest.raises(SetupError, match="checkout"):
+        rt.prepare("g~1", Workspace(git=str(repo), commit="0" * 40))

@@ -182,10 +182,10 @@ class LocalRuntime:
 
 def _materialize(ws: Workspace, dest: Path) -> None:
     if ws.git:
-        argv = ["git", "clone", "--quiet", "--no-hardlinks", ws.git, str(dest)]
-        _git(argv)
+        _git(["git", "clone", "--quiet", "--no-hardlinks", ws.git, str(dest)], f"git clone {ws.git}")
         if ws.commit:
-            _git(["git", "-C", str(dest), "checkout", "--quiet", "--detach", ws.commit])
+            _git(["git", "-C", str(dest), "checkout", "--quiet", "--detach", ws.commit],
+                 f"git checkout {ws.commit} (of {ws.git})")
     elif ws.path:
         src = Path(ws.path)
         if not src.is_dir():
@@ -195,11 +195,11 @@ def _materialize(ws: Workspace, dest: Path) -> None:
         dest.mkdir()
 
 
-def _git(argv: list[str]) -> None:
+def _git(argv: list[str], what: str) -> None:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
     if done.returncode != 0:
-        raise SetupError(f"{' '.join(argv[:3])} failed: {done.stderr.strip()[-500:]}")
+        raise SetupError(f"{what} failed: {done.stderr.strip()[-500:]}")
 
 
 def _group_alive(pgid: int) -> bool:

@@ -81,8 +81,10 @@ def test_cli_completes_a_tool_loop_through_the_proxy(name, slow, scripted, start
     assert s["stats"]["calls"] == n
     if unshare_argv():   # the CLI ran in its own network namespace, reaching only the proxy
         assert s["stats"]["network"] == "isolated"
-    _, rows = query(proxy.db, "SELECT reward, task_id FROM sessions WHERE session_id = ?", [sid])
-    assert rows == [(1.0, task)]
+    # named by the HTTPS_PROXY user the CLI sent on CONNECT (its API key names it too, but
+    # the proxy user wins): regular mode attributes sessions with no harness change
+    _, rows = query(proxy.db, "SELECT reward, task_id, source FROM sessions WHERE session_id = ?", [sid])
+    assert rows == [(1.0, task, "proxy_user")]
     _, rows = query(proxy.db, "SELECT list(state ORDER BY event_at) FROM rollout_events WHERE session_id = ?", [sid])
     assert rows[0][0][:1] == ["pending"] and rows[0][0][-1] == "done"
     assert {"assigned", "init", "ready", "run", "post_run"} <= set(rows[0][0])

@@ -75,7 +75,9 @@ class GatewayNode:
         self._stop = threading.Event()
         self._releasing = False
         self._threads: list[threading.Thread] = []
-        self._client = httpx.Client(timeout=10.0, trust_env=False)
+        # Generous: the server answers a heartbeat once its state is saved, which can wait on
+        # the database; a slow answer is no reason to give up on the events it carries.
+        self._client = httpx.Client(timeout=httpx.Timeout(120.0, connect=5.0), trust_env=False)
         self.heartbeats_ok = 0
 
     # -- lifecycle ---------------------------------------------------------------------

@@ -74,6 +74,7 @@ class NodeState:
     previous_seen: float = 0.0
     load: dict = field(default_factory=dict)
     lost: bool = False
+    in_flight: int = 0         # heartbeats being answered: a node waiting on us is alive
 
 
 class RolloutServer:
@@ -214,7 +215,6 @@ class RolloutServer:
     # -- node protocol -------------------------------------------------------------------
     def heartbeat(self, body: dict) -> dict:
         node_id = str(body["node_id"])
-        active = set(body.get("active") or [])
         now = time.monotonic()
         with self._lock:
             node = self.nodes.get(node_id)
@@ -225,22 +225,34 @@ class RolloutServer:
                 node.lost = False
                 self._task_event(None, "node_returned", node_id, None)
             node.previous_seen, node.last_seen, node.load = node.last_seen, now, body.get("load") or {}
-            reported = set()
-            for ev in body.get("events") or []:
-                reported.add(ev.get("session_id"))
-                self._apply(node_id, ev)
-            cancel = [sid for sid in active
-                      if sid not in self.sessions or self.sessions[sid].node_id != node_id
-                      or self.sessions[sid].state in TERMINAL or self.sessions[sid].cancel]
-            for s in list(self.sessions.values()):
-                if (s.node_id == node_id and s.state in NODE_STATES and s.session_id not in active
-                        and s.session_id not in reported and s.assigned_at < node.previous_seen):
-                    self._requeue(s, f"node {node_id} no longer holds it")
-            assign = self._assign(node, int((body.get("load") or {}).get("free", 0)))
-            self._changed.notify_all()
-        # Durable before the node hears back: it drops the events it reported once answered,
-        # and must not start a session that a restarted server would not know it holds.
-        self.flush()
+            node.in_flight += 1
+        try:
+            with self._lock:
+                reply = self._heard(node, body)
+            # Durable before the node hears back: it drops the events it reported once
+            # answered, and must not start a session a restarted server would not know of.
+            self.flush()
+            return reply
+        finally:
+            with self._lock:
+                node.in_flight -= 1
+                node.last_seen = time.monotonic()
+
+    def _heard(self, node: NodeState, body: dict) -> dict:
+        node_id, active = node.node_id, set(body.get("active") or [])
+        reported = set()
+        for ev in body.get("events") or []:
+            reported.add(ev.get("session_id"))
+            self._apply(node_id, ev)
+        cancel = [sid for sid in active
+                  if sid not in self.sessions or self.sessions[sid].node_id != node_id
+                  or self.sessions[sid].state in TERMINAL or self.sessions[sid].cancel]
+        for s in list(self.sessions.values()):
+            if (s.node_id == node_id and s.state in NODE_STATES and s.session_id not in active
+                    and s.session_id not in reported and s.assigned_at < node.previous_seen):
+                self._requeue(s, f"node {node_id} no longer holds it")
+        assign = self._assign(node, int((body.get("load") or {}).get("free", 0)))
+        self._changed.notify_all()
         return {"assign": assign, "cancel": cancel}
 
     def _apply(self, node_id: str, ev: dict) -> None:
@@ -359,7 +371,7 @@ class RolloutServer:
             now = time.monotonic()
             with self._lock:
                 for node in self.nodes.values():
-                    if node.lost or now - node.last_seen < self.node_timeout:
+                    if node.lost or node.in_flight or now - node.last_seen < self.node_timeout:
                         continue
                     node.lost = True
                     reason = f"node {node.node_id} lost: no heartbeat for {now - node.last_seen:.0f}s"
@@ -434,8 +446,12 @@ class RolloutServer:
                 self._dirty_tasks, self._dirty_sessions, self._events = set(), set(), []
                 batch = store.Batch(tasks=[self.tasks[t].row() for t in tasks],
                                     sessions=[self.sessions[s].row() for s in sessions], events=events)
+            t0 = time.monotonic()
             try:
                 store.save(self.db, batch)
+                took = time.monotonic() - t0
+                if took > 1.0:
+                    log.warning("saving rollout state took %.1fs", took)
             except BaseException:
                 with self._lock:   # keep them for the next try
                     self._dirty_tasks |= tasks

@@ -40,6 +40,16 @@ def tool_results(bodies: list[dict]) -> list[str]:
     return out
 
 
+def short_idle_timeout(name, ctx):
+    """Codex gives up on a stream after stream_idle_timeout_ms without an SSE event (300 s by
+    default; comment lines do not count): 0.8 s here, shorter than each 1.2 s answer."""
+    launch = harnesses.launch(name, ctx)
+    if name == "codex":
+        launch.argv[1:1] = ["-c", "model_providers.polar.stream_idle_timeout_ms=800",
+                            "-c", "model_providers.polar.stream_max_retries=0"]
+    return launch
+
+
 @pytest.mark.parametrize("slow", [False, True], ids=["quick", "kept-alive"])
 @pytest.mark.parametrize("name", CLIS)
 def test_cli_completes_a_tool_loop_through_the_proxy(name, slow, scripted, start_proxy, tmp_path):
@@ -53,7 +63,7 @@ def test_cli_completes_a_tool_loop_through_the_proxy(name, slow, scripted, start
     runtime = LocalRuntime(tmp_path / "sessions", keep=True)
     node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=proxy.port, ca_path=proxy.ca,
                                   db=str(proxy.db), init_workers=1, run_workers=1, post_workers=1),
-                       runtime=runtime).start()
+                       runtime=runtime, launcher=short_idle_timeout if slow else harnesses.launch).start()
     try:
         task = f"loop-{name}"
         server.submit({"task_id": task, "harness": name, "timeout": 240,

@@ -62,6 +62,11 @@ def test_the_sdks_read_a_kept_alive_stream(start_proxy, monkeypatch):
         text = "".join(ev.choices[0].delta.content or "" for ev in
                        oa.chat.completions.create(model="m", messages=MSG, stream=True) if ev.choices)
         assert text == "ok"
+        events = [e.type for e in oa.responses.create(model="m", input="hi", stream=True)]
+        assert events[:2] == ["response.created", "response.in_progress"] and events[-1] == "response.completed"
+        assert events.count("response.created") == 1 and "response.in_progress" in events[2:-1]  # the ticks
+        with oa.responses.stream(model="m", input="hi") as s:
+            assert s.get_final_response().output_text == "ok"
         an = anthropic.Anthropic(api_key="x", max_retries=0, timeout=60)
         with an.messages.stream(model="m", max_tokens=16, messages=MSG) as s:
             assert s.get_final_text() == "ok"
@@ -76,7 +81,7 @@ def test_the_sdks_read_a_kept_alive_stream(start_proxy, monkeypatch):
         with an2.messages.stream(model="m", max_tokens=16, messages=MSG) as s:
             assert s.get_final_text() == "ok"
     _, rows = query(proxy.db, "SELECT session_id, status_code FROM call_records ORDER BY created_at")
-    assert rows == [("ka~sdk", 200), ("ka~sdk", 200), ("ka~sdk", 200), ("ka~rev", 200)]
+    assert rows == [("ka~sdk", 200)] * 5 + [("ka~rev", 200)]
 
 
 def test_an_error_after_the_headers_is_an_sse_error_event(start_proxy):

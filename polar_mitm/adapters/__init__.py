@@ -38,5 +38,22 @@ def stream_content_type(request: dict) -> str:
     return "text/event-stream"
 
 
+# SSE comment lines keep connections and body timeouts alive and every SSE parser skips
+# them; Google's SDKs choke on them (they match `^\s*data: ` on their buffer) but skip
+# whitespace, which a JSON-array stream allows too; OpenAI Responses needs data-bearing events.
+COMMENT_KEEPALIVE = b": keepalive\n\n"
+
+
+def stream_keepalive(request: dict, created: int) -> tuple[bytes, bytes, int]:
+    """(head, tick, leading events of the answer to leave out): what keeps a streaming
+    client waiting for a long generation, in its provider's shape. For OpenAI Responses
+    the caller fixes request["response_id"] first, so the answer keeps the head's id."""
+    if request["style"] == "openai_responses":
+        return openai_responses.stream_keepalive(request, created)
+    if request["style"] == "google":
+        return b"", b"\n", 0
+    return b"", COMMENT_KEEPALIVE, 0
+
+
 __all__ = ["ADAPTERS", "AdapterError", "MalformedRequest", "UnsupportedContent", "STYLES",
-           "adapter", "backend_request", "detect", "stream_content_type"]
+           "adapter", "backend_request", "detect", "stream_content_type", "stream_keepalive"]

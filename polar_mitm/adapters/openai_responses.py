@@ -361,7 +361,7 @@ def _response(result: dict, request: dict, status: str, output: list[dict], usag
     reasoning = request["provider"].get("reasoning") or {"effort": None, "summary": None}
     # `instructions` is not echoed: it is merged into the system text and would double
     # the stored request; the SDK allows null.
-    return {"id": stable_id("resp_", result["id"]), "object": "response",
+    return {"id": request.get("response_id") or stable_id("resp_", result["id"]), "object": "response",
             "created_at": result["created"], "status": status, "background": False,
             "error": None, "incomplete_details": incomplete, "instructions": None,
             "max_output_tokens": request["max_tokens"], "metadata": {},
@@ -451,3 +451,22 @@ def failed_event(message: str, code: str = "server_error", *, request: dict | No
                 "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "usage": None}
     return sse_event({"type": "response.failed", "sequence_number": sequence_number,
                       "response": response}, event="response.failed")
+
+
+def stream_keepalive(request: dict, created: int) -> tuple[bytes, bytes, int]:
+    """(head, tick, events of stream() the head replaces) for a long generation. Codex's
+    idle timer counts SSE events, not comment lines, so the keepalive carries data:
+    response.created and .in_progress at once, then .in_progress again each interval,
+    which clients take as nothing new. The answer's own two opening events are then left
+    out. Clients check that the response id never changes: request["response_id"] must be
+    set, and the answer made from the same request."""
+    head_obj = _response({"id": "", "created": created, "finish_reason": "stop"},
+                         request, "in_progress", [], usage=False)
+    head = (sse_event({"type": "response.created", "sequence_number": 0, "response": head_obj},
+                      event="response.created")
+            + sse_event({"type": "response.in_progress", "sequence_number": 1, "response": head_obj},
+                        event="response.in_progress"))
+    tick = sse_event({"type": "response.in_progress", "sequence_number": 1, "response": head_obj},
+                     event="response.in_progress")
+    return head, tick, 2
+

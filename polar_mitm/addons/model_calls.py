@@ -26,7 +26,7 @@ from . import sessions
 from .backend_client import BackendClient
 from .bodies import BodyTooLarge, bounded, decoded_body, depth_ok, has_image, is_websocket, MAX_BODY_DEPTH
 from .proxy_users import ProxyUsers
-from .relay import StreamRelay, keepalive_for
+from .relay import StreamRelay
 
 log = logging.getLogger("polar")
 
@@ -189,8 +189,12 @@ class ModelCalls:
         if self.keepalive and self.relay.address:
             done, _ = await asyncio.wait({answer}, timeout=self.keepalive)
             if not done and shape.get("stream"):
+                request = shape["request"]
+                # The answer is not made yet (the backend is still generating): it takes this
+                # id, so the keepalive's opening events and the answer name one response.
+                request["response_id"] = f"resp_{uuid.uuid4().hex}"
                 self.relay.hand_over(flow, answer, shape["content_type"], self.keepalive,
-                                     keepalive_for(style))
+                                     lambda token: adapters.stream_keepalive(request, int(time.time())))
                 return
         status, content, headers = await answer
         flow.response = http.Response.make(status, content, headers)
@@ -270,7 +274,7 @@ class ModelCalls:
             raise AdapterError(f"request body is nested deeper than {MAX_BODY_DEPTH} levels")
         normalized = mod.to_chat(body, path)
         if normalized["stream"]:
-            shape.update(stream=True, content_type=adapters.stream_content_type(normalized))
+            shape.update(stream=True, content_type=adapters.stream_content_type(normalized), request=normalized)
         record.update(stream=normalized["stream"], requested_model=normalized["model"],
                       dropped=normalized["dropped"])
         served = await self.backend.served()

@@ -2,10 +2,11 @@
 once it is whole, so a streaming call whose backend is still generating after
 polar_stream_keepalive seconds is handed to this loopback relay instead: mitmproxy connects
 to it (the one server connection the backstop allows) and streams what it sends. The relay
-sends the SSE headers at once, an SSE comment line (": keepalive") every interval (every SSE
-client skips them; they keep idle and body timeouts from firing), and then the answer,
-whose recording is unchanged. An answer that turns out to be an error goes out as a
-provider-shaped SSE `error` event, since the 200 is already sent.
+sends the SSE headers at once, then a keepalive each interval in the client's provider's
+shape (adapters.stream_keepalive: comment lines; blank lines for Google; for OpenAI
+Responses, response.created and repeated response.in_progress events, since Codex's idle
+timer counts events), and then the answer, whose recording is unchanged. An answer that
+turns out to be an error goes out as an SSE `error` event, since the 200 is already sent.
 """
 
 from __future__ import annotations
@@ -20,14 +21,6 @@ from mitmproxy import http
 log = logging.getLogger("polar")
 
 META = "polar_relay"
-KEEPALIVE = b": keepalive\n\n"
-# Google's SDKs match `^\s*data: ` on their buffer and choke on a comment line; blank lines
-# they skip (and so does any SSE parser).
-GOOGLE_KEEPALIVE = b"\n"
-
-
-def keepalive_for(style: str) -> bytes:
-    return GOOGLE_KEEPALIVE if style == "google" else KEEPALIVE
 
 
 @dataclass
@@ -35,7 +28,9 @@ class Job:
     answer: asyncio.Future          # -> (status, content, headers)
     content_type: str
     interval: float
-    keepalive: bytes
+    head: bytes                     # sent with the headers
+    tick: bytes                     # sent each interval
+    skip_events: int                # leading SSE events of the answer the head stood for
 
 
 class StreamRelay:
@@ -59,10 +54,11 @@ class StreamRelay:
             server.close()
 
     def hand_over(self, flow: http.HTTPFlow, answer: asyncio.Future, content_type: str, interval: float,
-                  keepalive: bytes = KEEPALIVE) -> None:
-        """Send this flow to the relay; the client gets headers now and the answer later."""
+                  keepalive=lambda token: (b"", b": keepalive\n\n", 0)) -> None:
+        """Send this flow to the relay; the client gets headers now and the answer later.
+        keepalive(token) -> (head, tick, skip_events), in the client's provider's shape."""
         token = secrets.token_urlsafe(18)
-        self._jobs[token] = Job(answer, content_type, interval, keepalive)
+        self._jobs[token] = Job(answer, content_type, interval, *keepalive(token))
         # A client gone before mitmproxy reached the relay leaves the job behind: drop it later.
         loop = asyncio.get_running_loop()
         answer.add_done_callback(lambda _: loop.call_later(120, self._jobs.pop, token, None))
@@ -91,15 +87,21 @@ class StreamRelay:
                 return
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: " + job.content_type.encode() +
                          b"\r\ncache-control: no-cache\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n")
+            if job.head:
+                writer.write(_chunk(job.head))
             await writer.drain()
             while True:
                 done, _ = await asyncio.wait({job.answer}, timeout=job.interval)
                 if done:
                     break
-                writer.write(_chunk(job.keepalive))
+                writer.write(_chunk(job.tick))
                 await writer.drain()
             status, content, _headers = job.answer.result()
-            writer.write(_chunk(content if status == 200 else b"event: error\ndata: " + content + b"\n\n"))
+            if status == 200:
+                content = _without_events(content, job.skip_events)
+            elif job.content_type == "text/event-stream":
+                content = b"event: error\ndata: " + content + b"\n\n"
+            writer.write(_chunk(content))
             writer.write(b"0\r\n\r\n")
             await writer.drain()
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError,
@@ -111,3 +113,15 @@ class StreamRelay:
 
 def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def _without_events(sse: bytes, n: int) -> bytes:
+    """The SSE text after its first n events (events end with a blank line)."""
+    at = 0
+    for _ in range(n):
+        end = sse.find(b"\n\n", at)
+        if end < 0:
+            return sse
+        at = end + 2
+    return sse[at:]
+

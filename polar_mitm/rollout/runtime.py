@@ -212,24 +212,41 @@ def _group_alive(pgid: int) -> bool:
 
 def _kill_marked(mark: str) -> None:
     """SIGKILL every process whose environment carries this sandbox's mark (also those that
-    left the process group)."""
+    left the process group). Several passes: a process caught mid-exec shows an empty
+    environment for an instant, and a fork can land between two reads."""
     needle = f"{SANDBOX_MARK}={mark}".encode()
-    for _ in range(3):
-        found = False
+    quiet = 0
+    for pause in (0.0, 0.02, 0.05, 0.1, 0.2, 0.4):
+        time.sleep(pause)
+        found = unsure = False
         for entry in os.scandir("/proc"):
             if not entry.name.isdigit():
                 continue
             try:
                 with open(f"/proc/{entry.name}/environ", "rb") as f:
-                    if needle not in f.read().split(b"\0"):
-                        continue
-                os.kill(int(entry.name), signal.SIGKILL)
-                found = True
+                    env = f.read()
+                if not env:
+                    unsure = unsure or _is_user_process(entry.name)
+                    continue
+                if needle in env.split(b"\0"):
+                    os.kill(int(entry.name), signal.SIGKILL)
+                    found = True
             except (OSError, ValueError):
                 continue
-        if not found:
+        quiet = 0 if (found or unsure) else quiet + 1
+        if quiet == 2:    # two clean passes in a row
             return
-        time.sleep(0.05)
+
+
+def _is_user_process(pid: str) -> bool:
+    """A live process that is not a kernel thread (kernel threads and zombies have no
+    environment, for good)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return fields[0] not in (b"Z", b"X") and not int(fields[6]) & 0x00200000   # PF_KTHREAD
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 def _tail(path: Path, limit: int = 4000) -> str:

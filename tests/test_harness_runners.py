@@ -42,10 +42,10 @@ def tool_results(bodies: list[dict]) -> list[str]:
 
 def short_idle_timeout(name, ctx):
     """Codex gives up on a stream after stream_idle_timeout_ms without an SSE event (300 s by
-    default; comment lines do not count): 0.8 s here, shorter than each 1.2 s answer."""
+    default; comment lines do not count): 2 s here, shorter than each of its 3.5 s answers."""
     launch = harnesses.launch(name, ctx)
     if name == "codex":
-        launch.argv[1:1] = ["-c", "model_providers.polar.stream_idle_timeout_ms=800",
+        launch.argv[1:1] = ["-c", "model_providers.polar.stream_idle_timeout_ms=2000",
                             "-c", "model_providers.polar.stream_max_retries=0"]
     return launch
 
@@ -53,11 +53,11 @@ def short_idle_timeout(name, ctx):
 @pytest.mark.parametrize("slow", [False, True], ids=["quick", "kept-alive"])
 @pytest.mark.parametrize("name", CLIS)
 def test_cli_completes_a_tool_loop_through_the_proxy(name, slow, scripted, start_proxy, tmp_path):
-    """kept-alive: every completion takes 1.2 s, so with a 0.3 s keepalive each streamed
-    answer reaches the CLI as SSE headers, keepalive comments, then the events."""
+    """kept-alive: every completion takes 1.2 s (Codex: 3.5 s), so with a 0.3 s keepalive each
+    streamed answer reaches the CLI as SSE headers, keepalives, then the events."""
     installed(name)
     proxy = start_proxy(scripted.url, extra_sets=["polar_stream_keepalive=0.3"] if slow else None)
-    scripted.delay = 1.2 if slow else 0.0
+    scripted.delay = (3.5 if name == "codex" else 1.2) if slow else 0.0
     seen = len(scripted.bodies)
     server = RolloutServer(str(proxy.db)).start()
     runtime = LocalRuntime(tmp_path / "sessions", keep=True)

@@ -82,7 +82,7 @@ def start_node_stack(*, db: str, backend: str, work: Path, proxy_port: int, work
 def register(main: click.Group) -> None:
     @main.command()
     @click.argument("tasks_file", type=click.Path(exists=True, dir_okay=False))
-    @click.option("--harness", type=click.Choice(harnesses.PACKAGES.keys() | {"command"}), default=None,
+    @click.option("--harness", type=click.Choice([*harnesses.PACKAGES, "command"]), default=None,
                   help="For tasks that name none (default pi)")
     @click.option("--samples", type=int, default=None, help="num_samples for tasks that give none")
     @click.option("--db", default="rollouts.duckdb", show_default=True)

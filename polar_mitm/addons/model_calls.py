@@ -194,7 +194,7 @@ class ModelCalls:
                 # id, so the keepalive's opening events and the answer name one response.
                 request["response_id"] = f"resp_{uuid.uuid4().hex}"
                 self.relay.hand_over(flow, answer, shape["content_type"], self.keepalive,
-                                     lambda token: adapters.stream_keepalive(request, int(time.time())))
+                                     adapters.stream_keepalive(request, int(time.time())))
                 return
         status, content, headers = await answer
         flow.response = http.Response.make(status, content, headers)

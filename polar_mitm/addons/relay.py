@@ -54,11 +54,12 @@ class StreamRelay:
             server.close()
 
     def hand_over(self, flow: http.HTTPFlow, answer: asyncio.Future, content_type: str, interval: float,
-                  keepalive=lambda token: (b"", b": keepalive\n\n", 0)) -> None:
+                  keepalive: tuple[bytes, bytes, int]) -> None:
         """Send this flow to the relay; the client gets headers now and the answer later.
-        keepalive(token) -> (head, tick, skip_events), in the client's provider's shape."""
+        keepalive: (head, tick, skip_events) in the client's provider's shape
+        (adapters.stream_keepalive)."""
         token = secrets.token_urlsafe(18)
-        self._jobs[token] = Job(answer, content_type, interval, *keepalive(token))
+        self._jobs[token] = Job(answer, content_type, interval, *keepalive)
         # A client gone before mitmproxy reached the relay leaves the job behind: drop it later.
         loop = asyncio.get_running_loop()
         answer.add_done_callback(lambda _: loop.call_later(120, self._jobs.pop, token, None))

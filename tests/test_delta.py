@@ -40,17 +40,21 @@ def test_apply_ids_reaches_into_the_base_response():
 
 def test_cache_picks_the_call_the_prompt_extends_past_a_side_call():
     cache = DeltaCache()
-    cache.add("s", "main1", '{"m":[1]}', [1, 2, 3] * 100, [4, 5])
+    main = [1, 2, 3] * 1000
+    cache.add("s", "main1", '{"m":[1]}', main, [4, 5])
     cache.add("s", "title", '{"title":1}', [9, 9, 9], [8])
-    d = cache.delta("s", '{"m":[1,2]}', [1, 2, 3] * 100 + [4, 5, 6])
-    assert d.base_call == "main1" and d.prompt_shared == 302 and d.prompt_suffix == b"[6]"
+    d = cache.delta("s", '{"m":[1,2]}', main + [4, 5, 6])
+    # shared ids are found a fingerprint block at a time (1024 bytes: 512 ids of "1,")
+    assert d.base_call == "main1" and 3002 - 512 <= d.prompt_shared <= 3002
+    assert apply_ids(main, [4, 5], d.prompt_shared, orjson.loads(d.prompt_suffix)) == main + [4, 5, 6]
 
 
 def test_cache_stays_within_its_budget():
-    cache = DeltaCache(budget=100_000, per_session=2)
+    """Entries are fingerprints: about 1 KB here for a 20 KB request and 1000 prompt ids."""
+    cache = DeltaCache(budget=20_000, per_session=2)
     for i in range(100):
         cache.add(f"s{i}", f"c{i}", "x" * 20_000, list(range(1000)), [1])
-    assert cache.size <= 100_000
+    assert cache.size <= 20_000
     assert cache.delta("s0", "x" * 20_000, list(range(1000))).base_call is None   # forgotten
     assert cache.delta("s99", "x" * 20_000, list(range(1000))).base_call == "c99"
 
@@ -59,7 +63,8 @@ def _session_calls(n_turns=12, side_every=5, seed=0):
     """A growing conversation: each prompt extends the previous prompt + response, with a
     re-rendered (drifted) tail now and then and a title side call every few turns."""
     rng = random.Random(seed)
-    messages, prompt, calls = [{"role": "system", "content": "sys " * 300}], list(range(500)), []
+    # harness-sized: a 12 KB system prompt (deltas are found a 512-character block at a time)
+    messages, prompt, calls = [{"role": "system", "content": "sys " * 3000}], list(range(500)), []
     for k in range(n_turns):
         messages.append({"role": "user", "content": f"turn {k} " + "é" * rng.randint(5, 50)})
         prompt = prompt + [rng.randrange(50_000) for _ in range(rng.randint(20, 200))]

@@ -21,10 +21,10 @@ def test_options_changed_with_set_take_effect(tmp_path):
             tctx.configure(gw, polar_db=str(tmp_path / "a.duckdb"), polar_backend_timeout=5,
                            polar_max_concurrency=2, polar_sampling="temperature=1.0")
             first = gw.backend.client
-            assert first.timeout.read == 5 and gw.backend.slots is not None
+            assert first.timeout == 5 and gw.backend.slots is not None
             tctx.configure(gw, polar_backend_timeout=7, polar_max_concurrency=0)
             second = gw.backend.client
-            assert second is not first and second.timeout.read == 7 and gw.backend.slots is None
+            assert second is not first and second.timeout == 7 and gw.backend.slots is None
             assert gw.model_calls.overrides == {"temperature": 1.0}
             tctx.configure(gw, polar_sampling="max_tokens=64")
             assert gw.model_calls.overrides == {"max_tokens": 64}

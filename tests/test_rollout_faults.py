@@ -257,6 +257,18 @@ def test_killing_the_rollout_server_mid_task_loses_no_session(tmp_path):
     assert rows[0][0] >= 1    # the sessions in flight at the kill were resumed, and say so
 
 
+def _processes_under(root) -> list[int]:
+    """Processes whose working directory lies under root."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/cwd").startswith(str(root)):
+                out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
 def test_a_dead_node_is_detected_and_its_sessions_rescheduled(tmp_path):
     db = tmp_path / "r.duckdb"
     server = RolloutServer(str(db), node_timeout=2.0).start()
@@ -275,6 +287,8 @@ def test_a_dead_node_is_detected_and_its_sessions_rescheduled(tmp_path):
         doomed.send_signal(signal.SIGKILL)
         doomed.wait()
         _wait(lambda: server.status()["nodes"]["doomed"]["lost"], 10, "the node to be declared lost")
+        # its harnesses (and their network bridges) die with it, as no teardown will come
+        _wait(lambda: not _processes_under(tmp_path / "d"), 10, "the dead node's sandboxes to end")
         node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=1, ca_path="", node_id="spare",
                                       heartbeat_s=0.1), runtime=LocalRuntime(tmp_path / "s")).start()
         assert server.wait(["nd"], timeout=60)

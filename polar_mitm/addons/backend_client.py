@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import time
 
-import httpx
 import orjson
 from mitmproxy import ctx, exceptions
 
 from polar_mitm.adapters import backend
 from polar_mitm.adapters.chat import AdapterError
+
+from .backend_http import BackendHTTP, HTTPError, HTTPTimeout
 
 _JSON = {"content-type": "application/json"}
 
@@ -27,7 +28,7 @@ class BackendTimeout(AdapterError):
 
 class BackendClient:
     def __init__(self):
-        self.client: httpx.AsyncClient | None = None
+        self.client: BackendHTTP | None = None
         self.slots: asyncio.Semaphore | None = None     # polar_max_concurrency
         self.base = ""
         self.timeout = 600
@@ -60,10 +61,10 @@ class BackendClient:
             self.base = ctx.options.polar_backend.rstrip("/")
             self.timeout = ctx.options.polar_backend_timeout
             limit = ctx.options.polar_max_concurrency or None
-            self.client = httpx.AsyncClient(
-                timeout=httpx.Timeout(self.timeout, connect=10),
-                limits=httpx.Limits(max_connections=limit, max_keepalive_connections=32),
-                trust_env=False)  # the backend is never reached through a proxy
+            try:   # never through a proxy: the backend is reached directly
+                self.client = BackendHTTP(self.base, timeout=self.timeout, connect_timeout=10)
+            except ValueError as e:
+                raise exceptions.OptionsError(f"polar_backend: {e}") from None
             self.slots = asyncio.Semaphore(limit) if limit else None
 
     def done(self):
@@ -75,19 +76,13 @@ class BackendClient:
             try:
                 asyncio.get_running_loop().create_task(client.aclose())
             except RuntimeError:   # no loop any more: its sockets go with the process
-                pass
+                client.closed = True
 
     async def complete(self, backend_body: dict) -> tuple[dict, bytes | None]:
         """vLLM's answer, and its prompt token ids as JSON text."""
-        try:
-            resp = await self.client.post(self.base + "/v1/chat/completions",
-                                          content=orjson.dumps(backend_body), headers=_JSON)
-        except httpx.TimeoutException:
-            raise BackendTimeout(f"the model backend did not answer within {self.timeout}s") from None
-        except httpx.HTTPError as e:
-            raise BackendUnavailable(f"the model backend is unavailable: {type(e).__name__}") from None
-        if resp.status_code != 200:
-            raise backend.backend_error(resp.status_code, resp.content)
+        resp = await self._post("/v1/chat/completions", backend_body)
+        if resp.status != 200:
+            raise backend.backend_error(resp.status, resp.content)
         try:
             return backend.parse_completion(resp.content)
         except orjson.JSONDecodeError:
@@ -97,24 +92,35 @@ class BackendClient:
         """The prompt's token count from vLLM's /tokenize, rendered as the completion will be."""
         keys = ("model", "messages", "tools", "add_generation_prompt", "continue_final_message")
         tok = {k: backend_body[k] for k in keys if k in backend_body}
-        resp = await self.client.post(self.base + "/tokenize", content=orjson.dumps(tok), headers=_JSON)
-        if resp.status_code != 200:
-            raise backend.backend_error(resp.status_code, resp.content)
-        return int(orjson.loads(resp.content).get("count", 0))
+        resp = await self._post("/tokenize", tok)
+        if resp.status != 200:
+            raise backend.backend_error(resp.status, resp.content)
+        try:
+            return int(orjson.loads(resp.content).get("count", 0))
+        except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
+            raise backend.BackendError("the model backend's /tokenize answer is not valid") from None
+
+    async def _post(self, path: str, body: dict):
+        try:
+            return await self.client.request("POST", path, orjson.dumps(body), _JSON)
+        except HTTPTimeout:
+            raise BackendTimeout(f"the model backend did not answer within {self.timeout}s") from None
+        except HTTPError as e:
+            raise BackendUnavailable(f"the model backend is unavailable: {e}") from None
 
     async def served(self) -> str:
         """The model asked for, and the backend's context length, from its model list (once)."""
         if self._listed:
             return self.served_model
         try:
-            resp = await self.client.get(self.base + "/v1/models", timeout=10)
-            models = resp.json()["data"]
+            resp = await self.client.request("GET", "/v1/models", timeout=10)
+            models = orjson.loads(resp.content)["data"]
             wanted = self.served_model or models[0]["id"]
             entry = next((m for m in models if m["id"] == wanted), models[0])
             self.max_model_len = entry.get("max_model_len")
             self.served_model = wanted
             self._listed = True
-        except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        except (HTTPError, ValueError, KeyError, IndexError, TypeError):
             raise BackendUnavailable("the model backend is unavailable (no model list)") from None
         return self.served_model
 
@@ -125,11 +131,11 @@ class BackendClient:
             return value
         value = ctx.options.polar_policy_version or None
         try:
-            resp = await self.client.get(self.base + "/weight_info", timeout=2)
-            if resp.status_code == 200:
-                reported = resp.json().get("weight_version")
+            resp = await self.client.request("GET", "/weight_info", timeout=2)
+            if resp.status == 200:
+                reported = orjson.loads(resp.content).get("weight_version")
                 value = str(reported) if reported is not None else value
-        except (httpx.HTTPError, ValueError, AttributeError):
+        except (HTTPError, ValueError, AttributeError):
             pass
         self._policy = (time.monotonic(), value)
         return value

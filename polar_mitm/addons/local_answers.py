@@ -4,7 +4,6 @@ runs never hang on it, and none of it is forwarded."""
 
 from __future__ import annotations
 
-import httpx
 import orjson
 from mitmproxy import ctx, http
 
@@ -83,11 +82,8 @@ class LocalAnswers:
                 normalized = mod.to_chat({"max_tokens": 1, **body})
             served = await self.backend.served()
             count = await self.backend.tokenize(backend.to_backend(normalized, served))
-        except AdapterError as e:
-            return http.Response.make(e.status, orjson.dumps(mod.error(e.status, str(e), e.kind)), _JSON)
-        except httpx.HTTPError:
-            status = overloaded_status(mod)
-            return http.Response.make(status, orjson.dumps(
-                mod.error(status, "the model backend is unavailable", "overloaded")), _JSON)
+        except AdapterError as e:   # the backend's failures included, as the client's error
+            status = overloaded_status(mod) if e.kind == "overloaded" else e.status
+            return http.Response.make(status, orjson.dumps(mod.error(status, str(e), e.kind)), _JSON)
         answer = {"totalTokens": count} if style == "google" else {"input_tokens": count}
         return http.Response.make(200, orjson.dumps(answer), _JSON)

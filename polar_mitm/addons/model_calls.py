@@ -7,10 +7,12 @@ Requests that are not model calls are left to the LocalAnswers addon."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import itertools
 import logging
+import os
 import re
 import time
-import uuid
 
 import orjson
 from mitmproxy import ctx, exceptions, http
@@ -37,6 +39,17 @@ _JSON = {"content-type": "application/json"}
 TEMPLATE_SLACK = 4096
 
 
+# Call ids: a random prefix per process and a counter, uuid-shaped (a uuid4 per call showed
+# up in profiles of the event loop; these are just as unique).
+_ID_PREFIX = os.urandom(8).hex()
+_ID_COUNTER = itertools.count(1)
+
+
+def new_id() -> str:
+    p, n = _ID_PREFIX, next(_ID_COUNTER)
+    return f"{p[:8]}-{p[8:12]}-{p[12:16]}-{n >> 48 & 0xffff:04x}-{n & 0xffffffffffff:012x}"
+
+
 def parse_overrides(text: str) -> dict:
     """--set polar_sampling=temperature=1.0,max_tokens=512"""
     out = {}
@@ -57,18 +70,18 @@ def overloaded_status(mod) -> int:
 
 
 def read_body(req: http.Request, limit: int):
-    """(parsed JSON or an AdapterError or None, text) of a POST body."""
+    """(parsed JSON or an AdapterError or None, the body's bytes) of a POST body. The bytes
+    are kept as they are (the log thread decodes them): no second copy per call in flight."""
     if req.method != "POST":
         return None, None
     try:
         raw = decoded_body(req, limit) or b"null"
     except AdapterError as e:  # too large or undecodable: answered as a failed call
         return e, None
-    text = raw.decode("utf-8", errors="replace")
     try:
-        return orjson.loads(raw), text
+        return orjson.loads(raw), raw
     except orjson.JSONDecodeError:
-        return None, text   # kept as sent; the call is a 400
+        return None, raw   # kept as sent; the call is a 400
 
 
 class ModelCalls:
@@ -147,6 +160,7 @@ class ModelCalls:
             self.writer = None
 
     async def running(self):
+        gc.freeze()   # what start-up made lives on: later collections need not scan it
         self._ensure_writer()
         await self.relay.start()
 
@@ -192,7 +206,7 @@ class ModelCalls:
                 request = shape["request"]
                 # The answer is not made yet (the backend is still generating): it takes this
                 # id, so the keepalive's opening events and the answer name one response.
-                request["response_id"] = f"resp_{uuid.uuid4().hex}"
+                request["response_id"] = "resp_" + new_id().replace("-", "")
                 self.relay.hand_over(flow, answer, shape["content_type"], self.keepalive,
                                      adapters.stream_keepalive(request, int(time.time())))
                 return
@@ -219,7 +233,7 @@ class ModelCalls:
 
     # ---- one call ----------------------------------------------------------------------
 
-    async def call(self, flow: http.HTTPFlow, style: str, body, text: str | None, query: str,
+    async def call(self, flow: http.HTTPFlow, style: str, body, text: bytes | None, query: str,
                    shape: dict) -> tuple[int, bytes, dict]:
         """The answer (status, body, headers), recorded before it is returned. Never raises:
         failures are answers in the client's error format."""
@@ -227,12 +241,12 @@ class ModelCalls:
         mod = adapters.adapter(style)
         req = flow.request
         session = self._session(flow, query)
-        record = {"call_id": str(uuid.uuid4()), "style": style, "method": req.method,
+        record = {"call_id": new_id(), "style": style, "method": req.method,
                   "path": sessions.redact_query(req.path), "started_at": time.time(),
                   # The harness's bytes as sent: the conversation is stored once, and its
                   # normalized form is what the pure adapters make of it.
                   "request_text": (f"<request body not kept: {body}>" if isinstance(body, AdapterError)
-                                   else text if text is not None else ""),
+                                   else text if text is not None else b""),
                   "queue_ms": 0.0, "backend_ms": 0.0}
         try:
             status, content, headers = await self._serve(mod, body, req.path, record,

@@ -13,14 +13,25 @@ milliseconds.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
+import signal
 import socket
 import struct
 import sys
 import threading
 
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def loopback_up() -> None:
@@ -110,7 +121,11 @@ def main(argv: list[str]) -> None:
         s.connect(path)
         return s
 
-    if os.fork() == 0:          # the forwarder
+    harness = os.getpid()
+    if os.fork() == 0:          # the forwarder: it ends with the harness, whatever kills it
+        die_with_parent()
+        if os.getppid() != harness:
+            os._exit(0)
         serve(listener, connect)
         os._exit(0)
     listener.close()

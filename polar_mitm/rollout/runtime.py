@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from .netbridge import UnixToTcp
+from .netbridge import UnixToTcp, die_with_parent
 from .spec import Workspace
 
 SANDBOX_MARK = "POLAR_SANDBOX"
@@ -91,7 +91,8 @@ class LocalSandbox:
         with open(log, "wb") as out:
             proc = subprocess.Popen(argv, cwd=self.workdir, env={**env, SANDBOX_MARK: self.mark},
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)   # its own process group
+                                    start_new_session=True,   # its own process group
+                                    preexec_fn=die_with_parent)   # and it dies if the node does
             self._proc = proc
             if self._cancelled:      # cancel() ran between the check above and Popen
                 self.cancel()

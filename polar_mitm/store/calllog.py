@@ -118,28 +118,31 @@ class LogAppender:
 
 
 def read_lines(directory: Path, start: Position, max_bytes: int = 64 << 20,
-               ) -> tuple[list[bytes], Position]:
-    """Complete lines from `start` on, up to about max_bytes; returns them and the position
-    after the last one. A torn last line of a segment that a newer segment follows was
-    never acknowledged and is skipped."""
+               end: Position | None = None) -> tuple[list[bytes], Position]:
+    """Complete lines from `start` on (up to `end`, when given), about max_bytes at most;
+    returns them and the position after the last one. A torn last line of a segment that
+    a newer segment follows was never acknowledged and is skipped."""
     lines: list[bytes] = []
     pos = start
     taken = 0
-    ids = [s for s in segment_ids(directory) if s >= start.seg]
+    ids = [s for s in segment_ids(directory) if s >= start.seg and (end is None or s <= end.seg)]
     for i, seg in enumerate(ids):
         offset = start.offset if seg == start.seg else 0
+        want = max(max_bytes - taken, 1 << 20)
+        if end is not None and seg == end.seg:
+            want = min(want, end.offset - offset)
         try:
             with open(segment_path(directory, seg), "rb") as f:
                 f.seek(offset)
-                data = f.read(max(max_bytes - taken, 1 << 20))
+                data = f.read(want)
                 at_eof = f.tell() >= os.fstat(f.fileno()).st_size
         except FileNotFoundError:
             continue
-        end = data.rfind(b"\n") + 1
-        lines += [line for line in data[:end].split(b"\n") if line]
-        taken += end
-        pos = Position(seg, offset + end)
-        if not at_eof or taken >= max_bytes:
+        cut = data.rfind(b"\n") + 1
+        lines += [line for line in data[:cut].split(b"\n") if line]
+        taken += cut
+        pos = Position(seg, offset + cut)
+        if (end is not None and seg == end.seg) or not at_eof or taken >= max_bytes:
             break
         if i + 1 < len(ids):
             # Only the newest segment is ever appended to, so an older one is finished: a

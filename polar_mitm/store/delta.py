@@ -10,6 +10,7 @@ rules in Python, for readers that rebuild whole sessions at once."""
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
@@ -122,15 +123,40 @@ def shared_ids(base: bytes, ids: bytes) -> tuple[int, int]:
     return (ids.count(b",", 0, cut) + 1, cut) if cut > 0 else (0, 0)
 
 
+TEXT_BLOCK = 512    # characters of request text per fingerprint block
+IDS_BLOCK = 1024    # bytes of id JSON per fingerprint block
+
+
+def block_hashes(data, block: int, *, from_end: bool = False) -> bytes:
+    """hash() of each whole block of a str or bytes, packed as int64: from the start, or
+    aligned to the end (for common suffixes)."""
+    n = len(data)
+    if from_end:
+        blocks = (data[n - (k + 1) * block:n - k * block] for k in range(n // block))
+    else:
+        blocks = (data[k:k + block] for k in range(0, n - block + 1, block))
+    return array("q", map(hash, blocks)).tobytes()
+
+
+def shared_blocks(a: bytes, b: bytes) -> int:
+    """How many leading fingerprint blocks two packed hash lists share."""
+    return common_prefix(a, b) // 8
+
+
 @dataclass
 class _Entry:
+    """A remembered call: fingerprints, not its text, so a cache entry costs a few KB
+    where the call's request and prompt are hundreds. Blocks with equal hashes are taken
+    as equal (64-bit hashes: a false match is about as likely as a disk's silent error)."""
     call_id: str
-    text: str
-    ids: bytes          # prompt + sampled token ids, as JSON text
+    text_len: int
+    text_head: bytes    # block hashes of the request text, from the start
+    text_tail: bytes    # ... aligned to its end
+    ids_head: bytes     # block hashes of prompt + sampled ids, as JSON text
 
     @property
     def size(self) -> int:
-        return len(self.text) + len(self.ids) + 200
+        return len(self.text_head) + len(self.text_tail) + len(self.ids_head) + 300
 
 
 @dataclass(frozen=True)
@@ -143,47 +169,82 @@ class CallDelta:
     prompt_suffix: bytes | None   # JSON text of the ids after the shared ones
 
 
+@dataclass(frozen=True)
+class CallPrint:
+    """A call's fingerprints, made once: to find its delta, and to remember it by."""
+    text: str
+    prompt: bytes | None
+    text_head: bytes
+    text_tail: bytes
+    prompt_head: bytes
+
+
+def fingerprint(text: str, prompt) -> CallPrint:
+    prompt = ids_json(prompt)
+    return CallPrint(text, prompt, block_hashes(text, TEXT_BLOCK),
+                     block_hashes(text, TEXT_BLOCK, from_end=True),
+                     block_hashes(prompt, IDS_BLOCK) if prompt else b"")
+
+
 class DeltaCache:
     """The last few calls of each session, to compute deltas against; least recently used
-    sessions are forgotten past `budget` bytes (their next call is then stored whole)."""
+    sessions are forgotten past `budget` bytes (their next call is then stored whole).
 
-    def __init__(self, budget: int = 64 << 20, per_session: int = 3):
+    Shared parts are found a block at a time (TEXT_BLOCK, IDS_BLOCK), so a delta may
+    carry up to a block more than the exact minimum on each side; it is always exact."""
+
+    def __init__(self, budget: int = 32 << 20, per_session: int = 3):
         self.budget = budget
         self.per_session = per_session
         self._sessions: OrderedDict[str, list[_Entry]] = OrderedDict()
         self._size = 0
 
-    def delta(self, session_id: str, text: str, prompt) -> CallDelta:
+    def delta(self, session_id: str, text: str, prompt, fp: CallPrint | None = None) -> CallDelta:
         """The cheapest description of a call against one cached call of its session.
         The base is the call whose prompt+response shares the longest token prefix with
         this prompt (so a title or side call in between does not break the chain).
         prompt: ids as a list or as JSON text."""
-        prompt = ids_json(prompt)
+        fp = fp or fingerprint(text, prompt)
+        prompt = fp.prompt
         entries = self._sessions.get(session_id) or []
         whole = CallDelta(None, 0, 0, text, 0, prompt)
         if not entries:
             return whole
-        best, best_shared, cut = None, -1, 0
+        best, best_blocks = None, -1
         for e in reversed(entries):   # newest first: ties go to the most recent call
-            shared, at = shared_ids(e.ids, prompt) if prompt else (0, 0)
-            if shared > best_shared:
-                best, best_shared, cut = e, shared, at
+            blocks = shared_blocks(e.ids_head, fp.prompt_head) if prompt else 0
+            if blocks > best_blocks:
+                best, best_blocks = e, blocks
         if not prompt:   # no prompt ids (a failed call): the text decides
-            best = max(reversed(entries), key=lambda e: common_prefix(e.text, text))
-        d = text_delta(best.text, text)
-        saved = d.prefix + d.suffix + (best_shared * 4 if prompt else 0)
-        if saved < 256:   # unrelated: a reference would cost more than it saves
+            best = max(reversed(entries), key=lambda e: shared_blocks(e.text_head, fp.text_head))
+        prefix = shared_blocks(best.text_head, fp.text_head) * TEXT_BLOCK
+        room = (min(best.text_len, len(text)) - prefix) // TEXT_BLOCK   # never overlap the prefix
+        suffix = min(shared_blocks(best.text_tail, fp.text_tail), room) * TEXT_BLOCK
+        shared, cut = 0, 0
+        if prompt and best_blocks:
+            # ids whose separator lies inside the shared bytes are whole in both texts
+            cut = prompt.rfind(b",", 0, best_blocks * IDS_BLOCK)
+            shared = prompt.count(b",", 0, cut) + 1 if cut > 0 else 0
+        if prefix + suffix + shared * 4 < 256:   # unrelated: a reference would cost more than it saves
             return whole
-        suffix = None
+        suffix_ids = None
         if prompt is not None:
-            suffix = prompt
-            if best_shared:
-                suffix = b"[" + prompt[cut + 1:] if cut < len(prompt) - 1 else b"[]"
-        return CallDelta(best.call_id, d.prefix, d.suffix, d.middle,
-                         best_shared if prompt is not None else 0, suffix)
+            suffix_ids = b"[" + prompt[cut + 1:] if shared else prompt
+        return CallDelta(best.call_id, prefix, suffix, text[prefix:len(text) - suffix],
+                         shared, suffix_ids)
 
-    def add(self, session_id: str, call_id: str, text: str, prompt, tokens) -> None:
-        entry = _Entry(call_id, text, join_ids(ids_json(prompt) or b"[]", ids_json(tokens)))
+    def add(self, session_id: str, call_id: str, text: str, prompt, tokens,
+            fp: CallPrint | None = None) -> None:
+        fp = fp or fingerprint(text, prompt)
+        prompt, tokens = fp.prompt or b"[]", ids_json(tokens)
+        ids_head = fp.prompt_head
+        if tokens and len(tokens) > 2:
+            # prompt + tokens: the blocks wholly before the prompt's closing bracket are
+            # the prompt's own; only the rest is hashed
+            keep = (len(prompt) - 1) // IDS_BLOCK
+            joined = join_ids(prompt, tokens)
+            ids_head = ids_head[:keep * 8] + block_hashes(joined[keep * IDS_BLOCK:], IDS_BLOCK)
+        entry = _Entry(call_id, len(text), fp.text_head, fp.text_tail, ids_head)
         entries = self._sessions.pop(session_id, [])
         entries.append(entry)
         self._size += entry.size
@@ -197,4 +258,3 @@ class DeltaCache:
     @property
     def size(self) -> int:
         return self._size
-

@@ -16,7 +16,6 @@ loader thread moves the log into DuckDB in bulk, off the request path.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import fcntl
 import logging
@@ -24,32 +23,24 @@ import os
 import queue
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import datetime
+from pathlib import Path
 
+import duckdb
 import orjson
-import pyarrow as pa
 
 from .calllog import LogAppender, Position, drop_loaded, log_dir, read_lines
 from .db import (LOADER_FILE, READY_SUFFIX, StoreBusy, connect, init_db, pending_requests,
                  readers_dir, writing)
-from .delta import DeltaCache, count_ids, ids_json
+from .delta import DeltaCache, count_ids, fingerprint
 from .schema import JSON_COLUMNS, RECORD_COLUMNS
 
 log = logging.getLogger("polar")
 
-_ARROW_TYPES = {
-    "seq": pa.int32(), "stream": pa.bool_(), "status_code": pa.int32(),
-    "request_prefix": pa.int32(), "request_suffix": pa.int32(), "request_chars": pa.int32(),
-    "prompt_shared": pa.int32(), "prompt_len": pa.int32(),
-    "prompt_suffix": pa.string(), "token_ids": pa.list_(pa.int32()),
-    "logprobs": pa.list_(pa.float32()), "prompt_tokens": pa.int32(),
-    "completion_tokens": pa.int32(), "queue_ms": pa.float64(), "backend_ms": pa.float64(),
-    "total_ms": pa.float64(), "dropped": pa.list_(pa.string()),
-    "started_at": pa.timestamp("us", tz="UTC"), "created_at": pa.timestamp("us", tz="UTC"),
-}
 _SESSION_COLUMNS = ("session_id", "task_id", "source", "client", "user_agent")
 _STOP = object()
-FRESH_MAX_BYTES = 48 << 20   # log bytes whose records wait for the loader in memory, at most
+LOAD_FILE = ".load.jsonl"   # in <db>.log/: the lines of one bulk load, for DuckDB's read_json
+LINE_MARK = b'{"v":2,'      # log lines of this format; older ones carry whole requests
 POSITION_KEY = "log_position"
 WRITER_LOCK = ".writer.lock"   # in <db>.log/
 # DuckDB 2.0 rewrites a table's last row group at each checkpoint (leaving its old blocks
@@ -59,8 +50,12 @@ WRITER_LOCK = ".writer.lock"   # in <db>.log/
 # memory limit stays well above the checkpoint threshold: at 64 MB against a 256 MB WAL,
 # every load failed out of memory. One thread: the proxy's own work needs the CPUs.
 ROW_GROUP_ROWS = 2048
-LOADER_SETTINGS = ("SET threads = 1", "SET memory_limit = '256MB'",
-                   "SET checkpoint_threshold = '32MB'")
+LOADER_SETTINGS = ("SET threads = 1", "SET memory_limit = '128MB'",
+                   "SET checkpoint_threshold = '16MB'")
+# What a line may be refused for: its data. Anything else (out of memory, I/O) fails the
+# whole load, which is retried later with every line intact.
+_DATA_ERRORS = (duckdb.ConversionException, duckdb.InvalidInputException,
+                duckdb.TypeMismatchException, duckdb.BinderException)
 
 
 class CallWriter:
@@ -75,12 +70,8 @@ class CallWriter:
         self._seq: dict[str, int] = {}
         self._log: LogAppender | None = None
         self._position = Position()
-        self._appended = 0                 # lines appended but maybe not loaded yet
-        self._loaded_upto = 0
-        self._deltas = DeltaCache()       # the loader's recent calls per session
-        self._fresh: collections.deque = collections.deque()   # (start, end, records, bytes) appended
-        self._fresh_count = 0
-        self._fresh_lock = threading.Lock()
+        self._durable = Position()         # the log up to here is fsynced
+        self._deltas = DeltaCache()       # the log thread's recent calls per session
         self._con = None                  # the loader's connection, while calls keep coming
         self._lock_fd: int | None = None
         self.idle_release = 2.0           # seconds without calls before it lets go
@@ -121,10 +112,10 @@ class CallWriter:
                 if entry:
                     sid = entry["s"]["session_id"]
                     self._seq[sid] = max(self._seq.get(sid, 0), entry["r"]["seq"])
-            self._appended += len(lines)
             if nxt == pos:
                 break
             pos = nxt
+        self._durable = pos
         self._log = LogAppender(directory, after=self._position.seg)
         marker = readers_dir(self.db_path) / LOADER_FILE
         marker.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -187,7 +178,7 @@ class CallWriter:
                         _resolve(fut, exc=e)
 
     def _append(self, batch: list) -> None:
-        lines, entries, done = [], [], []
+        lines, done = [], []
         now, wall = time.perf_counter(), time.time()
         for session, record, fut, queued in batch:
             if fut.done():            # its waiter went away (cancelled): nothing to record
@@ -201,31 +192,31 @@ class CallWriter:
             rec["queue_ms"] = (rec.get("queue_ms") or 0.0) + (now - queued) * 1000
             rec["seq"] = seq
             rec["created_at"] = wall     # recorded: when the call is acknowledged
-            entry = {"s": session, "r": _jsonable(rec)}
+            # Stored as a delta against an earlier call of its session, from here on: the
+            # log line carries only what is new (a few KB where the request is 200 KB).
+            row, full = _stored_row(sid, _jsonable(rec), self._deltas)
             try:
-                line, marked = _dumps({"s": session, "r": _fragments(entry["r"])})
+                line = _dumps(session, row)
             except Exception as e:
                 _resolve(fut, exc=e)
                 continue
-            if marked:
-                entry = orjson.loads(line)   # what the loader stores is what the log says
             self._seq[sid] = seq
             lines.append(line)
-            entries.append(entry)
             done.append((fut, seq, rec.get("call_id"), t0))
+            # a later call of this batch may take this one as its base
+            self._deltas.add(sid, rec["call_id"], *full)
         if not lines:
             return
-        # On failure (disk full) the batch's futures fail; the numbers it took leave a gap.
         data = b"".join(lines)
-        start, end = self._log.append(data)
-        with self._fresh_lock:
-            self._fresh.append((start, end, entries, len(data)))
-            self._fresh_count += len(data)
-            if self._fresh_count > FRESH_MAX_BYTES:   # the loader is held up: it reads the log
-                self._fresh.clear()
-                self._fresh_count = 0
+        try:
+            start, end = self._log.append(data)
+        except BaseException:
+            # On failure (disk full) the batch's futures fail and the numbers it took leave a
+            # gap; calls it named as bases are not in the log, so nothing may refer to them.
+            self._deltas = DeltaCache(self._deltas.budget, self._deltas.per_session)
+            raise
+        self._durable = end
         self.batches += 1
-        self._appended += len(lines)
         acked = time.perf_counter()
         if len(self._ack_ms) > 100_000:   # stamps of lines the loader read before their fsync
             self._ack_ms.clear()
@@ -237,14 +228,14 @@ class CallWriter:
     # ---- the loader thread ---------------------------------------------------------------
 
     def _run_loader(self) -> None:
-        last = 0.0
+        last, backoff = 0.0, 0.0
         while True:
             self._wake.wait(self.poll)
             self._wake.clear()
             if self._stopping.is_set():
                 self._final_load()
                 return
-            pending = self._appended - self._loaded_upto
+            pending = self._durable > self._position
             readers = pending_requests(self.db_path)
             if readers:
                 # Let the readers see every acknowledged call, tell them, then step aside.
@@ -255,15 +246,16 @@ class CallWriter:
                         if not ready.exists() and r.exists():
                             ready.touch()
                 continue
-            if pending and (time.monotonic() - last >= self.load_interval or pending >= 5000):
-                self._load_pending(timeout=0.05)
+            if pending and time.monotonic() - last >= max(self.load_interval, backoff):
+                # a failing load (DuckDB out of memory, a full disk) is retried less and less often
+                backoff = 0.0 if self._load_pending(timeout=0.05) else min(5.0, max(0.2, 2 * backoff))
                 last = time.monotonic()
             elif self._con is not None and time.monotonic() - last >= self.idle_release:
                 self._release()   # idle: other tools may open the file directly
 
     def _final_load(self) -> None:
         deadline = time.monotonic() + self.lock_timeout
-        while self._appended > self._loaded_upto and time.monotonic() < deadline:
+        while self._durable > self._position and time.monotonic() < deadline:
             if not self._load_pending(timeout=max(0.05, deadline - time.monotonic())):
                 time.sleep(0.05)
         self._release()
@@ -278,22 +270,17 @@ class CallWriter:
                 log.exception("polar: closing the database failed")
 
     def _load_pending(self, timeout: float) -> bool:
-        """Load what was appended up to now (not what keeps coming meanwhile, so a reader
+        """Load what is durable up to now (not what keeps coming meanwhile, so a reader
         that asked is answered under any load); True when it all is in the database."""
-        target = self._appended
+        target = self._durable
         try:
-            while self._loaded_upto < target:
-                entries, nxt = self._take_fresh()
-                n = len(entries) if entries is not None else 0
-                if entries is None:      # not appended by this process, or not handed over
-                    lines, nxt = read_lines(log_dir(self.db_path), self._position, max_bytes=16 << 20)
-                    if nxt == self._position:
-                        self._loaded_upto = target   # unreadable lines, counted but skipped
-                        break
-                    n = len(lines)
-                    entries = [e for e in map(_loads, lines) if e]
-                self._load(entries, nxt, timeout)
-                self._loaded_upto += n
+            while self._position < target:
+                lines, nxt = read_lines(log_dir(self.db_path), self._position,
+                                        max_bytes=16 << 20, end=target)
+                if nxt == self._position:
+                    log.error("polar: the call log cannot be read past %s", nxt.encode())
+                    return False
+                self._load(lines, nxt, timeout)
             return True
         except StoreBusy:
             return False          # someone else holds the file; the log keeps the calls
@@ -302,22 +289,7 @@ class CallWriter:
             log.exception("polar: loading the call log into DuckDB failed; will retry")
             return False
 
-    def _take_fresh(self) -> tuple[list[dict] | None, Position]:
-        """Records this process appended right after the loaded position, as the log thread
-        handed them over: no need to read and parse them back from the log."""
-        with self._fresh_lock:
-            while self._fresh and self._fresh[0][1] <= self._position:
-                self._fresh_count -= self._fresh.popleft()[3]
-            if not self._fresh or self._fresh[0][0] != self._position:
-                return None, self._position
-            entries, end = [], self._position
-            while self._fresh and self._fresh[0][0] == end and len(entries) < 2000:
-                start, end, batch, size = self._fresh.popleft()
-                self._fresh_count -= size
-                entries += batch
-            return entries, end
-
-    def _load(self, entries: list[dict], nxt: Position, timeout: float) -> None:
+    def _load(self, lines: list[bytes], nxt: Position, timeout: float) -> None:
         # The file stays open while calls keep coming: each close is a checkpoint, and a
         # checkpoint rewrites the table's last row group (time, and free blocks in the
         # file). Readers ask, and get it at once; see _run_loader.
@@ -326,9 +298,8 @@ class CallWriter:
             for setting in LOADER_SETTINGS:
                 self._con.execute(setting)
         try:
-            load_entries(self._con, entries, nxt, self._deltas, self._ack_ms)
+            load_lines(self._con, lines, nxt, log_dir(self.db_path) / LOAD_FILE, self._ack_ms)
         except BaseException:
-            self._deltas = DeltaCache()   # it may name calls that were rolled back
             self._release()
             raise
         self._position = nxt
@@ -336,59 +307,159 @@ class CallWriter:
         drop_loaded(log_dir(self.db_path), nxt, keep_from=self._log.seg if self._log else nxt.seg)
 
 
-def load_entries(con, entries: list[dict], nxt: Position, deltas: DeltaCache | None = None,
-                 ack_ms: dict[str, float] | None = None) -> None:
-    """One transaction: the calls of these log records (each once: call_id is the key), each
-    stored as a delta against a call of its session in `deltas`, and the log position after
-    them. `ack_ms` has the total_ms of calls this process acknowledged (taken once used)."""
-    sessions = {}
-    for e in entries:
-        sessions.setdefault(e["s"]["session_id"], e["s"])
-    deltas = deltas if deltas is not None else DeltaCache(budget=0)
-    rows = [_stored_row(e, deltas) for e in entries]
-    for row in rows:
-        if ack_ms and row.get("call_id") in ack_ms:
-            row["total_ms"] = ack_ms.pop(row["call_id"])
-    cols = ", ".join(RECORD_COLUMNS)
+def load_lines(con, lines: list[bytes], nxt: Position, scratch: Path,
+               ack_ms: dict[str, float] | None = None) -> None:
+    """One transaction: the calls of these log lines (each once: call_id is the key) and
+    the log position after them. DuckDB reads the lines itself (read_json), so loading
+    takes no Python work per call. `ack_ms` has the total_ms of calls this process
+    acknowledged (taken once used). A line DuckDB refuses is stored as a failed call
+    that says why, rather than hold up every later one."""
+    lines = [line if line.startswith(LINE_MARK) else _upgrade(line) for line in lines]
+    lines = [line for line in lines if line]
+    acks = {}
+    if ack_ms:
+        for line in lines:
+            call_id = _call_id(line)
+            if call_id in ack_ms:
+                acks[call_id] = ack_ms.pop(call_id)
+    try:
+        _insert(con, lines, nxt, scratch, acks)
+    except _DATA_ERRORS as e:
+        log.error("polar: DuckDB refused a load of %d log lines (%s); loading them one by one",
+                  len(lines), e)
+        _insert(con, [_storable(con, line, scratch) for line in lines], nxt, scratch, acks)
+
+
+def _insert(con, lines: list[bytes], nxt: Position, scratch: Path, acks: dict[str, float]) -> None:
     con.execute("BEGIN")
     try:
-        if entries:
-            con.register("session_table", pa.table(
-                {c: pa.array([s.get(c) for s in sessions.values()], type=pa.string()) for c in _SESSION_COLUMNS}))
-            con.register("call_table", _to_arrow(rows))
+        if lines:
+            _write_scratch(scratch, lines)
+            source = _read_log_sql(con, scratch, max(map(len, lines)))
             con.execute("INSERT INTO sessions (session_id, task_id, source, client, user_agent) "
-                        "SELECT * FROM session_table ON CONFLICT DO NOTHING")
-            con.execute(f"INSERT INTO call_records ({cols}) SELECT {cols} FROM call_table "
-                        "ON CONFLICT DO NOTHING")
+                        "SELECT s.session_id, any_value(s.task_id), any_value(s.source), "
+                        f"any_value(s.client), any_value(s.user_agent) FROM {source} "
+                        "GROUP BY s.session_id ON CONFLICT DO NOTHING")
+            acked, params = _acked(acks)
+            con.execute(f"INSERT INTO call_records ({', '.join(RECORD_COLUMNS)}) "
+                        f"SELECT {', '.join(_select_list())} FROM {source} "
+                        f"LEFT JOIN ({acked}) a ON a.call_id = r.call_id "
+                        "ON CONFLICT DO NOTHING", params)
         con.execute("INSERT INTO meta VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
                     [POSITION_KEY, nxt.encode()])
         con.execute("COMMIT")
     except Exception:
         con.execute("ROLLBACK")
         raise
-    finally:
-        for name in ("session_table", "call_table"):
-            try:
-                con.unregister(name)
-            except Exception:
-                pass
 
 
-def _stored_row(entry: dict, deltas: DeltaCache) -> dict:
-    """A log record as call_records stores it: request text and prompt ids as deltas."""
-    rec, sid = entry["r"], entry["s"]["session_id"]
-    text = rec.get("request_text")
+def _acked(acks: dict[str, float]) -> tuple[str, list]:
+    if not acks:
+        return "SELECT NULL::VARCHAR AS call_id, NULL::DOUBLE AS ms WHERE false", []
+    values = ", ".join(["(?, ?)"] * len(acks))
+    return f"SELECT * FROM (VALUES {values}) t(call_id, ms)", [v for kv in acks.items() for v in kv]
+
+
+def _write_scratch(path: Path, lines: list[bytes]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.writelines(line if line.endswith(b"\n") else line + b"\n" for line in lines)
+
+
+_TYPES: dict[str, str] = {}
+
+
+def _read_log_sql(con, scratch: Path, longest: int) -> str:
+    """read_json over the scratch file, typed as call_records' columns. DuckDB reserves
+    buffers from maximum_object_size, so it is sized to the longest line."""
+    if not _TYPES:
+        for name, kind in con.execute("SELECT column_name, data_type FROM information_schema.columns "
+                                      "WHERE table_name = 'call_records'").fetchall():
+            _TYPES[name] = "DOUBLE" if kind.startswith("TIMESTAMP") else kind
+    fields = ", ".join(f"{c} {_TYPES[c]}" for c in RECORD_COLUMNS if c != "session_id")
+    session = ", ".join(f"{c} VARCHAR" for c in _SESSION_COLUMNS)
+    path = str(scratch).replace("'", "''")
+    return (f"read_json('{path}', format = 'newline_delimited', auto_detect = false, "
+            f"maximum_object_size = {max(1 << 20, longest + 1024)}, "
+            f"columns = {{'v': 'INTEGER', 's': 'STRUCT({session})', 'r': 'STRUCT({fields})'}})")
+
+
+def _select_list() -> list[str]:
+    out = []
+    for c in RECORD_COLUMNS:
+        if c == "session_id":
+            out.append("s.session_id")
+        elif c == "total_ms":
+            out.append("coalesce(a.ms, r.total_ms)")
+        elif c == "created_at":
+            out.append("coalesce(to_timestamp(r.created_at), now())")
+        elif c == "started_at":
+            out.append("to_timestamp(r.started_at)")
+        else:
+            out.append(f"r.{c}")
+    return out
+
+
+def _storable(con, line: bytes, scratch: Path) -> bytes:
+    """The line, if DuckDB reads it alone; else a failed call in its place, saying why."""
+    _write_scratch(scratch, [line])
+    try:
+        con.execute(f"SELECT {', '.join(_select_list())} FROM "
+                    f"{_read_log_sql(con, scratch, len(line))} "
+                    f"LEFT JOIN ({_acked({})[0]}) a ON a.call_id = r.call_id").fetchall()
+        return line
+    except _DATA_ERRORS as e:
+        entry = _loads(line) or {"s": {}, "r": {}}
+        r = entry["r"]
+        keep = {k: r.get(k) for k in ("call_id", "seq", "style", "method", "path", "started_at",
+                                      "created_at") if isinstance(r.get(k), (str, int, float))}
+        keep.update(status_code=r.get("status_code") if isinstance(r.get("status_code"), int) else None,
+                    error=f"polar: this call could not be stored: {e}"[:2000], error_kind="unstored")
+        return _dumps({k: v for k, v in entry["s"].items() if isinstance(v, str)}, keep)
+
+
+def _call_id(line: bytes) -> str | None:
+    """The call_id of a log line of this format."""
+    at = line.find(b'"call_id":"')
+    if at < 0:
+        return None
+    start = at + len(b'"call_id":"')
+    return line[start:line.find(b'"', start)].decode()
+
+
+def _upgrade(line: bytes) -> bytes | None:
+    """A line of an older version (whole request and prompt) in this format."""
+    entry = _loads(line)
+    if not entry:
+        return None
+    row = _stored_row(entry["s"].get("session_id"), dict(entry["r"]), DeltaCache(budget=0))[0]
+    return _dumps(entry["s"], row)
+
+
+def _stored_row(sid: str, rec: dict, deltas: DeltaCache) -> tuple[dict, tuple]:
+    """The call as stored, its request text and prompt ids a delta against a call of its
+    session in `deltas`; and (text, prompt ids, token ids, fingerprints) to remember it by."""
+    text = rec.pop("request_text", None)
+    if isinstance(text, bytes):   # the harness's bytes as sent, decoded here off the event loop
+        text = text.decode("utf-8", errors="replace")
     text = text if isinstance(text, str) else ""
-    prompt = rec.get("prompt_token_ids")
-    prompt = ids_json(prompt) if isinstance(prompt, (list, bytes)) else None
-    d = deltas.delta(sid, text, prompt)
-    deltas.add(sid, rec["call_id"], text, prompt, rec.get("token_ids"))
-    return rec | {"session_id": sid, "created_at": rec.get("created_at") or time.time(),
-                  "base_call": d.base_call, "request_prefix": d.request_prefix,
-                  "request_suffix": d.request_suffix, "request_middle": d.request_middle,
-                  "request_chars": len(text), "prompt_shared": d.prompt_shared,
-                  "prompt_suffix": d.prompt_suffix.decode() if d.prompt_suffix is not None else None,
-                  "prompt_len": count_ids(prompt) if prompt is not None else None}
+    prompt = rec.pop("prompt_token_ids", None)
+    fp = fingerprint(text, prompt if isinstance(prompt, (list, bytes)) else None)
+    prompt = fp.prompt
+    d = deltas.delta(sid, text, prompt, fp)
+    suffix = d.prompt_suffix
+    if prompt is None:
+        prompt_len = None
+    elif d.base_call is None:
+        prompt_len = count_ids(prompt)
+    else:   # counted on the few new ids, not on the whole prompt again
+        prompt_len = d.prompt_shared + count_ids(suffix)
+    row = rec | {"base_call": d.base_call, "request_prefix": d.request_prefix,
+                 "request_suffix": d.request_suffix, "request_middle": d.request_middle,
+                 "request_chars": len(text), "prompt_shared": d.prompt_shared,
+                 "prompt_suffix": suffix.decode() if suffix is not None else None,
+                 "prompt_len": prompt_len}
+    return row, (text, prompt, rec.get("token_ids"), fp)
 
 
 def catch_up(db_path: str | os.PathLike, timeout: float = 30.0) -> int:
@@ -406,7 +477,7 @@ def catch_up(db_path: str | os.PathLike, timeout: float = 30.0) -> int:
             lines, nxt = read_lines(directory, pos)
             if nxt == pos:
                 return loaded
-            load_entries(con, [e for e in map(_loads, lines) if e], nxt)
+            load_lines(con, lines, nxt, directory / LOAD_FILE)
             loaded += len(lines)
     finally:
         con.close()
@@ -422,15 +493,15 @@ def _resolve(fut: concurrent.futures.Future, result=None, exc: BaseException | N
         pass   # cancelled by its waiter meanwhile
 
 
-def _dumps(entry: dict) -> tuple[bytes, bool]:
-    """The log line, and whether a column too deep to write was marked in it."""
+def _dumps(session: dict, rec: dict) -> bytes:
+    """The log line of a call (LINE_MARK first). A JSON column nested too deeply to write
+    is marked in it rather than fail the call: orjson writes at most 254 levels (it reads
+    1024), and the gateway keeps such a request as its raw text anyway."""
     try:
-        return orjson.dumps(entry) + b"\n", False
+        return orjson.dumps({"v": 2, "s": session, "r": rec}) + b"\n"
     except orjson.JSONEncodeError:
         pass
-    # orjson writes at most 254 levels of nesting (it reads 1024). The gateway keeps such a
-    # body as its raw text; anything else that deep is marked rather than fail the call.
-    rec = dict(entry["r"])
+    rec = dict(rec)
     for col in JSON_COLUMNS:
         value = rec.get(col)
         if value is None:
@@ -439,7 +510,7 @@ def _dumps(entry: dict) -> tuple[bytes, bool]:
             orjson.dumps(value)
         except orjson.JSONEncodeError:
             rec[col] = {"polar_unstored": "nested too deeply to store"}
-    return orjson.dumps({"s": entry["s"], "r": rec}) + b"\n", True
+    return orjson.dumps({"v": 2, "s": session, "r": rec}) + b"\n"
 
 
 def _loads(line: bytes) -> dict | None:
@@ -457,27 +528,3 @@ def _jsonable(record: dict) -> dict:
         if isinstance(out.get(col), datetime):
             out[col] = out[col].timestamp()
     return out
-
-
-def _fragments(rec: dict) -> dict:
-    """Id lists carried as JSON text go into the log line as they are."""
-    if any(isinstance(v, bytes) for v in rec.values()):
-        return {k: orjson.Fragment(v) if isinstance(v, bytes) else v for k, v in rec.items()}
-    return rec
-
-
-def _json_text(value) -> str | None:
-    return None if value is None else orjson.dumps(value).decode()
-
-
-def _to_arrow(rows: list[dict]) -> pa.Table:
-    arrays = {}
-    for col in RECORD_COLUMNS:
-        values = [r.get(col) for r in rows]
-        if col in JSON_COLUMNS:
-            values = [_json_text(v) for v in values]
-        elif col in ("started_at", "created_at"):
-            values = [datetime.fromtimestamp(v, timezone.utc) if isinstance(v, (int, float)) else v
-                      for v in values]
-        arrays[col] = pa.array(values, type=_ARROW_TYPES.get(col, pa.string()))
-    return pa.table(arrays)

@@ -44,8 +44,8 @@ def test_cache_picks_the_call_the_prompt_extends_past_a_side_call():
     cache.add("s", "main1", '{"m":[1]}', main, [4, 5])
     cache.add("s", "title", '{"title":1}', [9, 9, 9], [8])
     d = cache.delta("s", '{"m":[1,2]}', main + [4, 5, 6])
-    # shared ids are found a fingerprint block at a time (1024 bytes: 512 ids of "1,")
-    assert d.base_call == "main1" and 3002 - 512 <= d.prompt_shared <= 3002
+    # shared ids are found a fingerprint block at a time (2048 bytes: 1024 ids of "1,")
+    assert d.base_call == "main1" and 3002 - 1024 <= d.prompt_shared <= 3002
     assert apply_ids(main, [4, 5], d.prompt_shared, orjson.loads(d.prompt_suffix)) == main + [4, 5, 6]
 
 
@@ -63,7 +63,7 @@ def _session_calls(n_turns=12, side_every=5, seed=0):
     """A growing conversation: each prompt extends the previous prompt + response, with a
     re-rendered (drifted) tail now and then and a title side call every few turns."""
     rng = random.Random(seed)
-    # harness-sized: a 12 KB system prompt (deltas are found a 512-character block at a time)
+    # harness-sized: a 12 KB system prompt (deltas are found a 1024-character block at a time)
     messages, prompt, calls = [{"role": "system", "content": "sys " * 3000}], list(range(500)), []
     for k in range(n_turns):
         messages.append({"role": "user", "content": f"turn {k} " + "é" * rng.randint(5, 50)})

@@ -123,18 +123,20 @@ def shared_ids(base: bytes, ids: bytes) -> tuple[int, int]:
     return (ids.count(b",", 0, cut) + 1, cut) if cut > 0 else (0, 0)
 
 
-TEXT_BLOCK = 512    # characters of request text per fingerprint block
-IDS_BLOCK = 1024    # bytes of id JSON per fingerprint block
+TEXT_BLOCK = 1024   # characters of request text per fingerprint block
+TAIL_BLOCKS = 64    # a common suffix (the tools after the messages) is looked for in the last 64 KB
+IDS_BLOCK = 2048    # bytes of id JSON per fingerprint block
 
 
-def block_hashes(data, block: int, *, from_end: bool = False) -> bytes:
+def block_hashes(data, block: int, *, from_end: bool = False, limit: int | None = None) -> bytes:
     """hash() of each whole block of a str or bytes, packed as int64: from the start, or
-    aligned to the end (for common suffixes)."""
+    aligned to the end (for common suffixes), `limit` blocks at most."""
     n = len(data)
+    count = n // block if limit is None else min(n // block, limit)
     if from_end:
-        blocks = (data[n - (k + 1) * block:n - k * block] for k in range(n // block))
+        blocks = (data[n - (k + 1) * block:n - k * block] for k in range(count))
     else:
-        blocks = (data[k:k + block] for k in range(0, n - block + 1, block))
+        blocks = (data[k:k + block] for k in range(0, count * block, block))
     return array("q", map(hash, blocks)).tobytes()
 
 
@@ -182,7 +184,7 @@ class CallPrint:
 def fingerprint(text: str, prompt) -> CallPrint:
     prompt = ids_json(prompt)
     return CallPrint(text, prompt, block_hashes(text, TEXT_BLOCK),
-                     block_hashes(text, TEXT_BLOCK, from_end=True),
+                     block_hashes(text, TEXT_BLOCK, from_end=True, limit=TAIL_BLOCKS),
                      block_hashes(prompt, IDS_BLOCK) if prompt else b"")
 
 

@@ -1,0 +1,76 @@
+"""Pure pieces of the capture path: the body depth check, and how the loader treats log
+lines DuckDB refuses or that an older version wrote."""
+
+import random
+
+import orjson
+
+from polar_mitm.addons.bodies import depth_ok
+from polar_mitm.store import query
+from polar_mitm.store.calllog import LogAppender, log_dir
+from polar_mitm.store.db import init_db
+from polar_mitm.store.writer import _dumps, catch_up
+
+
+def _walk_ok(value, limit):
+    """The reference: no list or object more than `limit` levels deep (the value is level 1)."""
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            if d > limit:
+                return False
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return True
+
+
+def test_depth_check_in_c_matches_a_walk():
+    rng = random.Random(0)
+    for _ in range(2000):
+        v = rng.choice([1, "x", None, {}, []])
+        for _ in range(rng.randint(0, 215)):
+            k = rng.randrange(3)
+            v = [v] if k == 0 else {"k": v} if k == 1 else [1, v, "y"]
+        for limit in (200, 50, 5):
+            assert depth_ok(v, limit) == _walk_ok(v, limit)
+
+
+def _line(sid, call_id, seq, **extra):
+    return _dumps({"session_id": sid, "task_id": None}, {
+        "call_id": call_id, "seq": seq, "status_code": 200, "base_call": None, "request_prefix": 0,
+        "request_suffix": 0, "request_middle": "{}", "request_chars": 2, "prompt_shared": 0,
+        "prompt_suffix": "[1,2]", "prompt_len": 2, "token_ids": [3], "logprobs": [-0.5],
+        "started_at": 1.7e9, "created_at": 1.7e9, **extra})
+
+
+def test_a_line_duckdb_refuses_becomes_a_failed_call_and_the_rest_load(tmp_path):
+    db = tmp_path / "a.duckdb"
+    init_db(db)
+    log = LogAppender(log_dir(db))
+    log.append(_line("s~1", "a", 1) + _line("s~1", "b", 2, token_ids="not a list")
+               + _line("s~2", "c", 1))
+    log.close()
+    assert catch_up(db) == 3
+    rows = query(db, "SELECT call_id, session_id, seq, status_code, error_kind, token_ids "
+                     "FROM call_records ORDER BY call_id")[1]
+    assert [r[:3] for r in rows] == [("a", "s~1", 1), ("b", "s~1", 2), ("c", "s~2", 1)]
+    assert rows[0][4:] == (None, [3]) and rows[2][4:] == (None, [3])
+    assert rows[1][4] == "unstored" and rows[1][5] is None          # kept, saying why
+    err = query(db, "SELECT error FROM call_records WHERE call_id = 'b'")[1][0][0]
+    assert err.startswith("polar: this call could not be stored")
+    assert query(db, "SELECT count(*) FROM sessions")[1] == [(2,)]
+
+
+def test_log_lines_of_the_older_format_are_loaded_whole(tmp_path):
+    db = tmp_path / "a.duckdb"
+    init_db(db)
+    old = {"s": {"session_id": "t~0", "task_id": "t"},
+           "r": {"call_id": "x", "seq": 1, "status_code": 200, "request_text": '{"messages": []}',
+                 "prompt_token_ids": [5, 6, 7], "token_ids": [8], "logprobs": [-0.1],
+                 "started_at": 1.7e9, "created_at": 1.7e9}}
+    log = LogAppender(log_dir(db))
+    log.append(orjson.dumps(old) + b"\n")
+    log.close()
+    assert catch_up(db) == 1
+    assert query(db, "SELECT request_text, prompt_token_ids, token_ids FROM calls")[1] == \
+        [('{"messages": []}', [5, 6, 7], [8])]

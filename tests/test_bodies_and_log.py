@@ -74,3 +74,26 @@ def test_log_lines_of_the_older_format_are_loaded_whole(tmp_path):
     assert catch_up(db) == 1
     assert query(db, "SELECT request_text, prompt_token_ids, token_ids FROM calls")[1] == \
         [('{"messages": []}', [5, 6, 7], [8])]
+
+
+def test_async_submits_settle_together_and_a_cancelled_waiter_harms_nothing(tmp_path):
+    import asyncio
+
+    from polar_mitm.store import CallWriter
+
+    async def main():
+        w = CallWriter(tmp_path / "a.duckdb").start()
+        try:
+            futs = [w.submit_async({"session_id": "s~1"}, {"call_id": f"c{i}", "request_text": "x",
+                                                           "status_code": 200, "started_at": 1.7e9})
+                    for i in range(50)]
+            futs[3].cancel()                       # its caller went away
+            done = await asyncio.gather(*futs[4:])
+            later = await w.submit_async({"session_id": "s~1"}, {"call_id": "last", "status_code": 200})
+            return done, later
+        finally:
+            w.close()
+    done, later = asyncio.run(main())
+    assert done == sorted(done) and len(set(done)) == 46 and later > max(done)
+    rows = query(tmp_path / "a.duckdb", "SELECT count(*), max(seq) FROM call_records")[1]
+    assert rows[0][1] == later and rows[0][0] >= 47

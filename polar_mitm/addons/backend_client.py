@@ -36,6 +36,7 @@ class BackendClient:
         self.max_model_len: int | None = None           # from the backend's model list
         self._listed = False
         self._policy: tuple[float, str | None] = (0.0, None)
+        self._refreshing: asyncio.Future | None = None
 
     def load(self, loader):
         loader.add_option("polar_backend", str, "http://127.0.0.1:8000",
@@ -125,10 +126,16 @@ class BackendClient:
         return self.served_model
 
     async def policy_version(self) -> str | None:
-        """The backend's weight version (vLLM dev-mode /weight_info), refreshed each second."""
+        """The backend's weight version (vLLM dev-mode /weight_info). A call never waits for
+        it but the first: once a second it is refreshed in the background."""
         fetched_at, value = self._policy
-        if time.monotonic() - fetched_at < 1.0:
-            return value
+        if fetched_at == 0.0:
+            return await self._refresh_policy()
+        if time.monotonic() - fetched_at >= 1.0 and (self._refreshing is None or self._refreshing.done()):
+            self._refreshing = asyncio.ensure_future(self._refresh_policy())
+        return value
+
+    async def _refresh_policy(self) -> str | None:
         value = ctx.options.polar_policy_version or None
         try:
             resp = await self.client.request("GET", "/weight_info", timeout=2)

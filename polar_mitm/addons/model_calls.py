@@ -268,7 +268,7 @@ class ModelCalls:
                 record["request_text"] = bounded(record["request_text"])
         record["_t0"] = t0   # the writer stamps total_ms at the durable append the harness waits for
         try:
-            await asyncio.wrap_future(self._ensure_writer().submit(session, record))
+            await self._ensure_writer().submit_async(session, record)
         except Exception as e:  # not recorded -> not acknowledged: the harness retries
             log.error("polar: could not record call: %s", e)
             status = overloaded_status(mod)
@@ -304,8 +304,8 @@ class ModelCalls:
         try:
             b0 = time.perf_counter()
             record["queue_ms"] = (b0 - q0) * 1000
-            (resp_json, prompt_ids), policy = await asyncio.gather(
-                self.backend.complete(backend_body), self.backend.policy_version())
+            policy = await self.backend.policy_version()   # cached; refreshed in the background
+            resp_json, prompt_ids = await self.backend.complete(backend_body)
             record["backend_ms"] = (time.perf_counter() - b0) * 1000
         finally:
             if slots:

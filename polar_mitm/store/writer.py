@@ -16,6 +16,7 @@ loader thread moves the log into DuckDB in bulk, off the request path.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import fcntl
 import logging
@@ -129,6 +130,15 @@ class CallWriter:
         self._wake.set()
         return self
 
+    def submit_async(self, session: dict, record: dict) -> asyncio.Future:
+        """submit(), for an event loop: the log thread settles all of a batch's futures of
+        one loop with a single wake-up of that loop (one self-pipe write per fsync, not
+        one per call)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._queue.put((session, record, _LoopFuture(loop, fut), time.perf_counter()))
+        return fut
+
     def submit(self, session: dict, record: dict) -> concurrent.futures.Future:
         """session: {session_id, task_id, source, client, user_agent}; record: call columns
         (seq is assigned here; `_t0`, the call's perf_counter start, fills total_ms). The
@@ -178,11 +188,10 @@ class CallWriter:
                     self._append(batch)
                 except BaseException as e:  # never let the thread die: fail this batch only
                     log.exception("polar: the call log failed")
-                    for *_, fut, _ in batch:
-                        _resolve(fut, exc=e)
+                    _resolve_all([(fut, None, e) for *_, fut, _ in batch])
 
     def _append(self, batch: list) -> None:
-        lines, done = [], []
+        lines, done, failed = [], [], []
         now, wall = time.perf_counter(), time.time()
         for session, record, fut, queued in batch:
             if fut.done():            # its waiter went away (cancelled): nothing to record
@@ -202,13 +211,14 @@ class CallWriter:
             try:
                 line = _dumps(session, row)
             except Exception as e:
-                _resolve(fut, exc=e)
+                failed.append((fut, None, e))
                 continue
             self._seq[sid] = seq
             lines.append(line)
             done.append((fut, seq, rec.get("call_id"), t0))
             # a later call of this batch may take this one as its base
             self._deltas.add(sid, rec["call_id"], *full)
+        _resolve_all(failed)
         if not lines:
             return
         data = b"".join(lines)
@@ -227,7 +237,7 @@ class CallWriter:
         for fut, seq, call_id, t0 in done:
             if t0 is not None and call_id:   # what the harness waited for, fsync included
                 self._ack_ms[call_id] = (acked - t0) * 1000
-            _resolve(fut, result=seq)
+        _resolve_all([(fut, seq, None) for fut, seq, _, _ in done])
 
     # ---- the loader thread ---------------------------------------------------------------
 
@@ -508,6 +518,42 @@ def catch_up(db_path: str | os.PathLike, timeout: float = 30.0) -> int:
             loaded += len(lines)
     finally:
         con.close()
+
+
+class _LoopFuture(tuple):
+    """An asyncio future and its loop, as the log thread holds it."""
+    __slots__ = ()
+
+    def __new__(cls, loop, fut):
+        return super().__new__(cls, (loop, fut))
+
+    def done(self) -> bool:
+        return self[1].done()
+
+
+def _resolve_all(items: list) -> None:
+    """Settle (future, result, exception) triples: concurrent futures at once, asyncio
+    futures with one call into each of their loops."""
+    by_loop: dict = {}
+    for fut, result, exc in items:
+        if isinstance(fut, _LoopFuture):
+            by_loop.setdefault(fut[0], []).append((fut[1], result, exc))
+        else:
+            _resolve(fut, result, exc)
+    for loop, group in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_settle, group)
+        except RuntimeError:   # the loop is closed: nobody waits any more
+            pass
+
+
+def _settle(group: list) -> None:
+    for fut, result, exc in group:
+        if not fut.done():   # cancelled by its waiter meanwhile
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
 
 
 def _resolve(fut: concurrent.futures.Future, result=None, exc: BaseException | None = None) -> None:

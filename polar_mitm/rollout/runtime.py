@@ -77,6 +77,7 @@ class LocalSandbox:
         self.workdir, self.home, self.tmp = root / "work", root / "home", root / "tmp"
         self.logs = root / "logs"
         self.mark = uuid.uuid4().hex
+        self.born = _uptime()        # its processes all start after this (seconds since boot)
         self._proc: subprocess.Popen | None = None
         self._cancelled = False
 
@@ -131,7 +132,7 @@ class LocalSandbox:
                 continue
             if not _group_alive(proc.pid):
                 break
-        _kill_marked(self.mark)
+        _kill_marked(self.mark, self.born)
 
     def cancel(self) -> None:
         self._cancelled = True
@@ -143,7 +144,7 @@ class LocalSandbox:
                 pass
 
     def teardown(self) -> None:
-        _kill_marked(self.mark)
+        _kill_marked(self.mark, self.born)
         for bridge, d in self._bridges:
             bridge.close()
             shutil.rmtree(d, ignore_errors=True)
@@ -211,14 +212,17 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
-def _kill_marked(mark: str) -> None:
+def _kill_marked(mark: str, born: float = 0.0) -> None:
     """SIGKILL every process whose environment carries this sandbox's mark (also those that
     left the process group). Several passes: a process caught mid-exec shows an empty
     environment for an instant, and a fork can land between two reads."""
     needle = f"{SANDBOX_MARK}={mark}".encode()
-    quiet = 0
-    for pause in (0.0, 0.02, 0.05, 0.1, 0.2, 0.4):
-        time.sleep(pause)
+    quiet, deadline = 0, time.monotonic() + 5.0
+    pauses = iter((0.0, 0.02, 0.05, 0.1, 0.2))
+    # until two clean passes in a row; a process that stays unreadable (an exec slowed down
+    # by a loaded machine) keeps it looking, up to the deadline
+    while time.monotonic() < deadline:
+        time.sleep(next(pauses, 0.25))
         found = unsure = False
         for entry in os.scandir("/proc"):
             if not entry.name.isdigit():
@@ -226,8 +230,8 @@ def _kill_marked(mark: str) -> None:
             try:
                 with open(f"/proc/{entry.name}/environ", "rb") as f:
                     env = f.read()
-                if not env:
-                    unsure = unsure or _is_user_process(entry.name)
+                if not env:   # mid-exec, if it is one of ours (started after the sandbox)
+                    unsure = unsure or _is_user_process(entry.name, born)
                     continue
                 if needle in env.split(b"\0"):
                     os.kill(int(entry.name), signal.SIGKILL)
@@ -239,15 +243,27 @@ def _kill_marked(mark: str) -> None:
             return
 
 
-def _is_user_process(pid: str) -> bool:
+def _is_user_process(pid: str, born: float = 0.0) -> bool:
     """A live process that is not a kernel thread (kernel threads and zombies have no
-    environment, for good)."""
+    environment, for good) and started `born` seconds after boot or later."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
-        return fields[0] not in (b"Z", b"X") and not int(fields[6]) & 0x00200000   # PF_KTHREAD
+        return (fields[0] not in (b"Z", b"X") and not int(fields[6]) & 0x00200000   # PF_KTHREAD
+                and int(fields[19]) / _CLK_TCK >= born - 1.0)
     except (OSError, ValueError, IndexError):
         return False
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _uptime() -> float:
+    try:
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def _tail(path: Path, limit: int = 4000) -> str:

@@ -80,15 +80,19 @@ def test_a_closed_kept_alive_connection_is_retried_once_on_a_fresh_one():
     run(main())
 
 
-def test_connection_close_and_read_until_eof():
+def answer_and_close(raw: bytes):
+    """A server that reads one request, writes `raw` and closes the connection."""
     async def handler(reader, writer):
         await read_request(reader)
-        writer.write(b"HTTP/1.0 200 OK\r\n\r\nuntil the end")
+        writer.write(raw)
         await writer.drain()
         writer.close()
+    return handler
 
+
+def test_connection_close_and_read_until_eof():
     async def main():
-        server, port = await serve(handler)
+        server, port = await serve(answer_and_close(b"HTTP/1.0 200 OK\r\n\r\nuntil the end"))
         client = BackendHTTP(f"http://127.0.0.1:{port}", timeout=5)
         r = await client.request("GET", "/x")
         assert r.content == b"until the end" and not client._idle
@@ -100,17 +104,8 @@ def test_errors_and_timeouts_are_typed():
     async def silent(reader, writer):
         await asyncio.sleep(10)
 
-    async def broken(reader, writer):
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nshort")
-        await writer.drain()
-        writer.close()
-
-    async def garbage(reader, writer):
-        await read_request(reader)
-        writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
-        await writer.drain()
-        writer.close()
+    broken = answer_and_close(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nshort")
+    garbage = answer_and_close(b"SSH-2.0-OpenSSH\r\n\r\n")
 
     async def main():
         server, port = await serve(silent)

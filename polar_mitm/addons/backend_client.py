@@ -82,8 +82,6 @@ class BackendClient:
     async def complete(self, backend_body: dict) -> tuple[dict, bytes | None]:
         """vLLM's answer, and its prompt token ids as JSON text."""
         resp = await self._post("/v1/chat/completions", backend_body)
-        if resp.status != 200:
-            raise backend.backend_error(resp.status, resp.content)
         try:
             return backend.parse_completion(resp.content)
         except orjson.JSONDecodeError:
@@ -94,20 +92,22 @@ class BackendClient:
         keys = ("model", "messages", "tools", "add_generation_prompt", "continue_final_message")
         tok = {k: backend_body[k] for k in keys if k in backend_body}
         resp = await self._post("/tokenize", tok)
-        if resp.status != 200:
-            raise backend.backend_error(resp.status, resp.content)
         try:
             return int(orjson.loads(resp.content).get("count", 0))
         except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
             raise backend.BackendError("the model backend's /tokenize answer is not valid") from None
 
     async def _post(self, path: str, body: dict):
+        """The backend's 200 answer; anything else raised as the error the harness gets."""
         try:
-            return await self.client.request("POST", path, orjson.dumps(body), _JSON)
+            resp = await self.client.request("POST", path, orjson.dumps(body), _JSON)
         except HTTPTimeout:
             raise BackendTimeout(f"the model backend did not answer within {self.timeout}s") from None
         except HTTPError as e:
             raise BackendUnavailable(f"the model backend is unavailable: {e}") from None
+        if resp.status != 200:
+            raise backend.backend_error(resp.status, resp.content)
+        return resp
 
     async def served(self) -> str:
         """The model asked for, and the backend's context length, from its model list (once)."""

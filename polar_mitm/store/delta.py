@@ -119,6 +119,13 @@ def shared_ids(base: bytes, ids: bytes) -> tuple[int, int]:
         return count_ids(ids), len(ids) - 1
     if ids[p:p + 1] in (b",", b"]") and base[p:p + 1] in (b",", b"]"):
         return ids.count(b",", 0, p) + 1, p
+    return ids_before(ids, p)
+
+
+def ids_before(ids: bytes, p: int) -> tuple[int, int]:
+    """How many ids of a JSON id list have their separator before byte p (so, where the
+    first p bytes equal another list's, are whole in both), and the index of the last such
+    separator (0 when none)."""
     cut = ids.rfind(b",", 0, p)
     return (ids.count(b",", 0, cut) + 1, cut) if cut > 0 else (0, 0)
 
@@ -222,11 +229,7 @@ class DeltaCache:
         prefix = shared_blocks(best.text_head, fp.text_head) * TEXT_BLOCK
         room = (min(best.text_len, len(text)) - prefix) // TEXT_BLOCK   # never overlap the prefix
         suffix = min(shared_blocks(best.text_tail, fp.text_tail), room) * TEXT_BLOCK
-        shared, cut = 0, 0
-        if prompt and best_blocks:
-            # ids whose separator lies inside the shared bytes are whole in both texts
-            cut = prompt.rfind(b",", 0, best_blocks * IDS_BLOCK)
-            shared = prompt.count(b",", 0, cut) + 1 if cut > 0 else 0
+        shared, cut = ids_before(prompt, best_blocks * IDS_BLOCK) if prompt and best_blocks > 0 else (0, 0)
         if prefix + suffix + shared * 4 < 256:   # unrelated: a reference would cost more than it saves
             return whole
         suffix_ids = None

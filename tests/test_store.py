@@ -36,6 +36,49 @@ def test_migrations_are_versioned_and_idempotent(tmp_path):
     con.close()
 
 
+def test_call_records_lose_their_primary_key_and_keep_their_rows(tmp_path):
+    """An ART index on call_id had to fit in the loader's memory: loads failed once the
+    table was large enough (at 24 MB after ~190k calls). Migration 5 drops it."""
+    db = tmp_path / "a.duckdb"
+    con = duckdb.connect(str(db))
+    con.execute("CREATE TABLE schema_version (version INTEGER PRIMARY KEY, applied_at TIMESTAMPTZ DEFAULT now())")
+    for version, sql in enumerate(MIGRATIONS[:4], start=1):
+        con.execute(sql)
+        con.execute("INSERT INTO schema_version (version) VALUES (?)", [version])
+    con.execute("INSERT INTO call_records (call_id, session_id, seq, request_middle, prompt_suffix, "
+                "token_ids) VALUES ('c0', 's', 1, 'hello', '[1,2]', [3])")
+    con.close()
+    init_db(db)
+    con = duckdb.connect(str(db))
+    assert con.execute("SELECT count(*) FROM duckdb_constraints() WHERE table_name = 'call_records' "
+                       "AND constraint_type = 'PRIMARY KEY'").fetchone() == (0,)
+    assert con.execute("SELECT request_text, prompt_token_ids, token_ids FROM calls").fetchall() == \
+        [("hello", [1, 2], [3])]
+    con.close()
+
+
+def test_a_request_line_larger_than_the_base_memory_is_loaded(tmp_path):
+    """DuckDB's read_json needs its buffer (the longest line, to a power of two) inside
+    the memory limit: a 40 MB line needs 64 MB more than a short one."""
+    db = tmp_path / "a.duckdb"
+    w = CallWriter(db).start()
+    big = '{"t":"' + "x" * (40 << 20) + '"}'
+    assert w.submit(SESSION, record(0, request_text=big)).result(30) == 1
+    w.close()
+    assert w.load_errors == 0
+    assert query(db, "SELECT request_chars FROM call_records")[1] == [(len(big),)]
+
+
+def test_a_load_out_of_memory_is_retried_with_more(tmp_path, monkeypatch):
+    monkeypatch.setattr(writer_module, "LOADER_MEMORY", 0)   # 32 MiB: one line needs ~40
+    db = tmp_path / "a.duckdb"
+    w = CallWriter(db).start()
+    assert w.submit(SESSION, record(0)).result(10) == 1
+    w.close()
+    assert w.load_errors >= 1
+    assert query(db, "SELECT call_id FROM calls")[1] == [("c0",)]
+
+
 def test_group_commit_assigns_sequence_numbers(tmp_path):
     db = tmp_path / "a.duckdb"
     w = CallWriter(db).start()

@@ -79,9 +79,10 @@ class BackendClient:
             except RuntimeError:   # no loop any more: its sockets go with the process
                 client.closed = True
 
-    async def complete(self, backend_body: dict) -> tuple[dict, bytes | None]:
-        """vLLM's answer, and its prompt token ids as JSON text."""
-        resp = await self._post("/v1/chat/completions", backend_body)
+    async def complete(self, payload: bytes) -> tuple[dict, bytes | None]:
+        """vLLM's answer to a chat completion request (its JSON), and its prompt token ids
+        as JSON text."""
+        resp = await self._post("/v1/chat/completions", payload)
         try:
             return backend.parse_completion(resp.content)
         except orjson.JSONDecodeError:
@@ -97,10 +98,12 @@ class BackendClient:
         except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
             raise backend.BackendError("the model backend's /tokenize answer is not valid") from None
 
-    async def _post(self, path: str, body: dict):
+    async def _post(self, path: str, body: dict | bytes):
         """The backend's 200 answer; anything else raised as the error the harness gets."""
+        if isinstance(body, dict):
+            body = orjson.dumps(body)
         try:
-            resp = await self.client.request("POST", path, orjson.dumps(body), _JSON)
+            resp = await self.client.request("POST", path, body, _JSON)
         except HTTPTimeout:
             raise BackendTimeout(f"the model backend did not answer within {self.timeout}s") from None
         except HTTPError as e:

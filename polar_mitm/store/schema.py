@@ -224,6 +224,53 @@ MIGRATIONS: list[str] = [
         SELECT task_id, state, count(*) AS sessions, avg(reward) AS mean_reward
         FROM rollout_sessions GROUP BY task_id, state ORDER BY task_id, state;
     """,
+    # 5: call_records without a primary key. Its ART index has to fit in the loader's
+    # memory: DuckDB fails the insert otherwise (measured at 24 MB after 190k calls; so at
+    # 128 MB after about a million). Each call is loaded once anyway: the log position
+    # commits in the same transaction as its calls.
+    """
+    CREATE TABLE call_records_v5 (
+        call_id              VARCHAR NOT NULL,
+        session_id           VARCHAR NOT NULL,
+        seq                  INTEGER NOT NULL,
+        style                VARCHAR,
+        method               VARCHAR,
+        path                 VARCHAR,
+        stream               BOOLEAN,
+        requested_model      VARCHAR,
+        served_model         VARCHAR,
+        status_code          INTEGER,
+        base_call            VARCHAR,      -- the call both deltas below are against (NULL: whole)
+        request_prefix       INTEGER,      -- characters kept from the start of the base's text
+        request_suffix       INTEGER,      -- characters kept from its end
+        request_middle       VARCHAR,      -- what is new in between
+        request_chars        INTEGER,      -- length of the whole request text
+        backend_params       JSON,         -- what vLLM got, but messages and tools
+        response_json        JSON,
+        prompt_shared        INTEGER,      -- ids kept from the base's prompt + token ids
+        prompt_suffix        VARCHAR,      -- ids after them, as JSON text (NULL: no prompt ids):
+                                           -- DuckDB's WAL for a list grows with its row group
+        prompt_len           INTEGER,
+        token_ids            INTEGER[],
+        logprobs             FLOAT[],
+        finish_reason        VARCHAR,
+        prompt_tokens        INTEGER,
+        completion_tokens    INTEGER,
+        usage_json           JSON,
+        queue_ms             DOUBLE,
+        backend_ms           DOUBLE,
+        total_ms             DOUBLE,
+        error                VARCHAR,
+        error_kind           VARCHAR,
+        policy_version       VARCHAR,
+        dropped              VARCHAR[],
+        started_at           TIMESTAMPTZ,
+        created_at           TIMESTAMPTZ DEFAULT now()
+    );
+    INSERT INTO call_records_v5 SELECT * FROM call_records;
+    DROP TABLE call_records;
+    ALTER TABLE call_records_v5 RENAME TO call_records;
+    """,
 ]
 
 # What the loader writes to call_records.

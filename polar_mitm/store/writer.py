@@ -51,8 +51,13 @@ WRITER_LOCK = ".writer.lock"   # in <db>.log/
 # memory limit stays well above the checkpoint threshold: at 64 MB against a 256 MB WAL,
 # every load failed out of memory. One thread: the proxy's own work needs the CPUs.
 ROW_GROUP_ROWS = 2048
-LOADER_SETTINGS = ("SET threads = 1", "SET memory_limit = '128MB'",
-                   "SET checkpoint_threshold = '16MB'")
+LOADER_SETTINGS = ("SET threads = 1", "SET checkpoint_threshold = '16MB'")
+# DuckDB's memory in the proxy besides the JSON reader's buffers (_loader_memory): room for
+# the data not yet checkpointed and one load. More only buys a cache the loader never
+# reads: at 128 MB the proxy peaked about 15 MB higher at 64 clients (bench_gateway.py).
+LOADER_MEMORY = 32 << 20
+JSON_BUFFER = 32 << 20
+LOAD_BYTES = 8 << 20   # of log lines per load transaction, at most
 # What a line may be refused for: its data. Anything else (out of memory, I/O) fails the
 # whole load, which is retried later with every line intact.
 _DATA_ERRORS = (duckdb.ConversionException, duckdb.InvalidInputException,
@@ -77,6 +82,8 @@ class CallWriter:
         self._durable = Position()         # the log up to here is fsynced
         self._deltas = DeltaCache()       # the log thread's recent calls per session
         self._con = None                  # the loader's connection, while calls keep coming
+        self._memory = 0                  # its memory_limit now, in bytes
+        self._memory_boost = 0            # doublings of it after loads that ran out of memory
         self._lock_fd: int | None = None
         self.idle_release = 3.0           # seconds without calls before it lets go
         self._known_sessions: set[str] = set()   # already in the sessions table
@@ -276,6 +283,7 @@ class CallWriter:
 
     def _release(self) -> None:
         """Close the file (DuckDB checkpoints on close), so another process can open it."""
+        self._memory_boost = 0
         if self._con is not None:
             con, self._con = self._con, None
             try:
@@ -290,7 +298,7 @@ class CallWriter:
         try:
             while self._position < target:
                 lines, nxt = read_lines(log_dir(self.db_path), self._position,
-                                        max_bytes=16 << 20, end=target)
+                                        max_bytes=LOAD_BYTES, end=target)
                 if nxt == self._position:
                     log.error("polar: the call log cannot be read past %s", nxt.encode())
                     return False
@@ -311,12 +319,22 @@ class CallWriter:
             self._con = connect(self.db_path, timeout=timeout, row_group_size=ROW_GROUP_ROWS)
             for setting in LOADER_SETTINGS:
                 self._con.execute(setting)
+            self._memory = 0
+        memory = _loader_memory(max(map(len, lines), default=0)) << self._memory_boost
+        if memory != self._memory:
+            self._con.execute(f"SET memory_limit = '{memory}B'")
+            self._memory = memory
         try:
             load_lines(self._con, lines, nxt, log_dir(self.db_path) / LOAD_FILE, self._ack_ms,
                        self._known_sessions)
-        except BaseException:
+        except BaseException as e:
             self._known_sessions.clear()   # those of the failed load may not be in
+            boost = self._memory_boost
             self._release()
+            if isinstance(e, duckdb.OutOfMemoryException):
+                # e.g. a large WAL replayed after a crash: the retries get twice the memory,
+                # until the file is let go
+                self._memory_boost = min(boost + 1, 6)
             raise
         self._position = nxt
         self.loads += 1
@@ -325,8 +343,8 @@ class CallWriter:
 
 def load_lines(con, lines: list[bytes], nxt: Position, scratch: Path,
                ack_ms: dict[str, float] | None = None, known: set[str] | None = None) -> None:
-    """One transaction: the calls of these log lines (each once: call_id is the key) and
-    the log position after them. DuckDB reads the lines itself (read_json), so loading
+    """One transaction: the calls of these log lines and the log position after them, so
+    each line is loaded once. DuckDB reads the lines itself (read_json), so loading
     takes no Python work per call. `ack_ms` has the total_ms of calls this process
     acknowledged (taken once used); `known`, the session ids already stored (added to
     here). A line DuckDB refuses is stored as a failed call that says why, rather than
@@ -368,8 +386,7 @@ def _insert(con, lines: list[bytes], nxt: Position, scratch: Path, acks: dict[st
             acked, params = _acked(acks)
             con.execute(f"INSERT INTO call_records ({', '.join(RECORD_COLUMNS)}) "
                         f"SELECT {_SELECT} FROM {source} "
-                        f"LEFT JOIN ({acked}) a ON a.call_id = r.call_id "
-                        "ON CONFLICT DO NOTHING", params)
+                        f"LEFT JOIN ({acked}) a ON a.call_id = r.call_id", params)
         con.execute("INSERT INTO meta VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
                     [POSITION_KEY, nxt.encode()])
         con.execute("COMMIT")
@@ -394,6 +411,17 @@ def _write_scratch(path: Path, lines: list[bytes]) -> None:
 _TYPES: dict[str, str] = {}
 
 
+def _object_size(longest: int) -> int:
+    return max(1 << 20, longest + 1024)
+
+
+def _loader_memory(longest: int) -> int:
+    """DuckDB's read_json reads through a buffer of maximum_object_size rounded up to a
+    power of two, 32 MiB at least: measured, one short line needs 40 MB, a 33 MB line 96,
+    a 64 MB line 160."""
+    return LOADER_MEMORY + max(JSON_BUFFER, 1 << (_object_size(longest) - 1).bit_length())
+
+
 def _read_log_sql(con, scratch: Path, longest: int) -> str:
     """read_json over the scratch file, typed as call_records' columns. DuckDB reserves
     buffers from maximum_object_size, so it is sized to the longest line."""
@@ -405,7 +433,7 @@ def _read_log_sql(con, scratch: Path, longest: int) -> str:
     session = ", ".join(f"{c} VARCHAR" for c in _SESSION_COLUMNS)
     path = str(scratch).replace("'", "''")
     return (f"read_json('{path}', format = 'newline_delimited', auto_detect = false, "
-            f"maximum_object_size = {max(1 << 20, longest + 1024)}, "
+            f"maximum_object_size = {_object_size(longest)}, "
             f"columns = {{'v': 'INTEGER', 's': 'STRUCT({session})', 'r': 'STRUCT({fields})'}})")
 
 

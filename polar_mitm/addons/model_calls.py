@@ -302,7 +302,7 @@ class ModelCalls:
             k: v for k, v in backend_body.items() if k not in ("messages", "tools")})
         # While the backend generates, a call in flight keeps its bytes as sent (mitmproxy's
         # and the log's) and the request as the backend got it, not the parsed conversation
-        # three times over: at 64 clients that is 20-25 MB of the proxy's peak.
+        # as well: 11 MB less at 64 clients (tracemalloc's peak, 58 -> 47 MB).
         payload = orjson.dumps(backend_body)
         del backend_body
         normalized["messages"] = None

@@ -256,6 +256,7 @@ class Bench:
         self.work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="polar-bench-"))
         self.work.mkdir(parents=True, exist_ok=True)
         self.run_id = f"{int(time.time()) % 100000:05d}"
+        self.health: dict = {}     # polar's /_polar/health at the end
         self.fake = self.plain = self.polar = None
         self.ports: dict[str, int] = {}
         self.results: list[dict] = []
@@ -510,6 +511,11 @@ def report(bench: Bench, results: list[dict], soak: dict | None, extra: dict) ->
                        f"(x{last / first if first else 0:.2f})"))
     errors = sum(r["errors"] for r in results) + (soak["errors"] if soak else 0)
     checks.append((errors == 0, f"failed calls: {errors}"))
+    health = bench.health
+    if "load_errors" in health:
+        # a loader that keeps failing holds no file and spends no CPU: every figure looks better
+        checks.append((health["load_errors"] == 0, f"loads into DuckDB while calls came: "
+                       f"{health['loads']}, of which failed: {health['load_errors']}"))
     for ok, text in checks:
         print(f"{'PASS' if ok else 'FAIL'}  {text}")
     return all(ok for ok, _ in checks)
@@ -562,7 +568,7 @@ def main(argv=None):
         results = [bench.combine(cfg, c, parts[(cfg, c)]) for c in concs for cfg in configs]
         if args.soak > 0 and "polar" in configs:
             soak = bench.run_soak(args.soak, args.soak_clients)
-        health = polar_health(bench.polar_port)
+        health = bench.health = polar_health(bench.polar_port)
         extra["polar calls answered (health endpoint)"] = (
             f"{health.get('calls')} (this bench got {bench.answered_by_polar} answers with status 200 "
             "through polar, warm-up included)")

@@ -2,6 +2,7 @@
 mitmdump. (TLS, the CA and the proxy modes stay in the mitmdump end-to-end tests.)"""
 
 import asyncio
+import time
 
 import pytest
 from mitmproxy import exceptions, hooks
@@ -109,6 +110,16 @@ def test_a_model_call_in_process_is_answered_recorded_and_attributed(tmp_path):
             assert f.response.status_code == 200
             assert f.response.json()["choices"][0]["message"]["content"] == "ok"
             assert "s3cret" not in f.request.path                     # redacted for mitmdump's log
+            writer = gw.model_calls.writer
+            deadline = time.monotonic() + 10
+            while writer.loads == 0 and time.monotonic() < deadline:   # the loader's next pass
+                writer._wake.set()
+                await asyncio.sleep(0.1)
+            health = tflow.tflow()
+            health.request.method, health.request.path = "GET", "/_polar/health"
+            await through(gw, health)
+            assert {k: health.response.json()[k] for k in ("calls", "loads", "load_errors")} == \
+                {"calls": 1, "loads": writer.loads, "load_errors": 0} and writer.loads >= 1
             stray = tflow.tflow()
             stray.request.method, stray.request.path = "POST", "/v1/unknown"
             gw.local.request = lambda flow: None                      # pretend an addon forgot it

@@ -41,7 +41,10 @@ class LocalAnswers:
         if path == HEALTH_PATH:  # launchers check that the addon is loaded and answering
             flow.response = http.Response.make(200, orjson.dumps(
                 {"polar": "ok", "db": ctx.options.polar_db, "calls": self.model_calls.calls,
-                 "streams_kept_alive": self.model_calls.relay.handed_over}), _JSON)
+                 "streams_kept_alive": self.model_calls.relay.handed_over,
+                 # the loader's bulk loads into DuckDB, and those that failed (to be retried)
+                 "loads": writer.loads if (writer := self.model_calls.writer) else 0,
+                 "load_errors": writer.load_errors if writer else 0}), _JSON)
         elif is_websocket(req):
             # Codex tries Responses-over-WebSocket first and falls back to HTTPS on 404.
             flow.response = http.Response.make(404, b'{"error": "websocket transport not offered"}', _JSON)

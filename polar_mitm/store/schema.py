@@ -30,6 +30,48 @@ _WHOLE_CALLS = """
         WHERE {where_c}"""
 
 
+# call_records as migration 2 made it (with a primary key) and as migration 5 remakes it
+# (without one); formatted, each migration's SQL is what it always was.
+_CALL_RECORDS = """CREATE TABLE {name} (
+        call_id              VARCHAR {key},
+        session_id           VARCHAR NOT NULL,
+        seq                  INTEGER NOT NULL,
+        style                VARCHAR,
+        method               VARCHAR,
+        path                 VARCHAR,
+        stream               BOOLEAN,
+        requested_model      VARCHAR,
+        served_model         VARCHAR,
+        status_code          INTEGER,
+        base_call            VARCHAR,      -- the call both deltas below are against (NULL: whole)
+        request_prefix       INTEGER,      -- characters kept from the start of the base's text
+        request_suffix       INTEGER,      -- characters kept from its end
+        request_middle       VARCHAR,      -- what is new in between
+        request_chars        INTEGER,      -- length of the whole request text
+        backend_params       JSON,         -- what vLLM got, but messages and tools
+        response_json        JSON,
+        prompt_shared        INTEGER,      -- ids kept from the base's prompt + token ids
+        prompt_suffix        VARCHAR,      -- ids after them, as JSON text (NULL: no prompt ids):
+                                           -- DuckDB's WAL for a list grows with its row group
+        prompt_len           INTEGER,
+        token_ids            INTEGER[],
+        logprobs             FLOAT[],
+        finish_reason        VARCHAR,
+        prompt_tokens        INTEGER,
+        completion_tokens    INTEGER,
+        usage_json           JSON,
+        queue_ms             DOUBLE,
+        backend_ms           DOUBLE,
+        total_ms             DOUBLE,
+        error                VARCHAR,
+        error_kind           VARCHAR,
+        policy_version       VARCHAR,
+        dropped              VARCHAR[],
+        started_at           TIMESTAMPTZ,
+        created_at           TIMESTAMPTZ DEFAULT now()
+    );"""
+
+
 def _whole_calls(where: str = "TRUE", where_c: str = "TRUE") -> str:
     return _WHOLE_CALLS.format(where=where, where_c=where_c)
 
@@ -108,44 +150,7 @@ MIGRATIONS: list[str] = [
     # the calls view rebuilds both whole. Old rows are kept whole.
     """
     DROP VIEW failures; DROP VIEW task_groups; DROP VIEW session_summary; DROP VIEW session_turns;
-    CREATE TABLE call_records (
-        call_id              VARCHAR PRIMARY KEY,
-        session_id           VARCHAR NOT NULL,
-        seq                  INTEGER NOT NULL,
-        style                VARCHAR,
-        method               VARCHAR,
-        path                 VARCHAR,
-        stream               BOOLEAN,
-        requested_model      VARCHAR,
-        served_model         VARCHAR,
-        status_code          INTEGER,
-        base_call            VARCHAR,      -- the call both deltas below are against (NULL: whole)
-        request_prefix       INTEGER,      -- characters kept from the start of the base's text
-        request_suffix       INTEGER,      -- characters kept from its end
-        request_middle       VARCHAR,      -- what is new in between
-        request_chars        INTEGER,      -- length of the whole request text
-        backend_params       JSON,         -- what vLLM got, but messages and tools
-        response_json        JSON,
-        prompt_shared        INTEGER,      -- ids kept from the base's prompt + token ids
-        prompt_suffix        VARCHAR,      -- ids after them, as JSON text (NULL: no prompt ids):
-                                           -- DuckDB's WAL for a list grows with its row group
-        prompt_len           INTEGER,
-        token_ids            INTEGER[],
-        logprobs             FLOAT[],
-        finish_reason        VARCHAR,
-        prompt_tokens        INTEGER,
-        completion_tokens    INTEGER,
-        usage_json           JSON,
-        queue_ms             DOUBLE,
-        backend_ms           DOUBLE,
-        total_ms             DOUBLE,
-        error                VARCHAR,
-        error_kind           VARCHAR,
-        policy_version       VARCHAR,
-        dropped              VARCHAR[],
-        started_at           TIMESTAMPTZ,
-        created_at           TIMESTAMPTZ DEFAULT now()
-    );
+    """ + _CALL_RECORDS.format(name="call_records", key="PRIMARY KEY") + """
     INSERT INTO call_records
         SELECT call_id, session_id, seq, style, method, path, stream, requested_model,
                served_model, status_code, NULL, 0, 0,
@@ -228,45 +233,7 @@ MIGRATIONS: list[str] = [
     # memory: DuckDB fails the insert otherwise (measured at 24 MB after 190k calls; so at
     # 128 MB after about a million). Each call is loaded once anyway: the log position
     # commits in the same transaction as its calls.
-    """
-    CREATE TABLE call_records_v5 (
-        call_id              VARCHAR NOT NULL,
-        session_id           VARCHAR NOT NULL,
-        seq                  INTEGER NOT NULL,
-        style                VARCHAR,
-        method               VARCHAR,
-        path                 VARCHAR,
-        stream               BOOLEAN,
-        requested_model      VARCHAR,
-        served_model         VARCHAR,
-        status_code          INTEGER,
-        base_call            VARCHAR,      -- the call both deltas below are against (NULL: whole)
-        request_prefix       INTEGER,      -- characters kept from the start of the base's text
-        request_suffix       INTEGER,      -- characters kept from its end
-        request_middle       VARCHAR,      -- what is new in between
-        request_chars        INTEGER,      -- length of the whole request text
-        backend_params       JSON,         -- what vLLM got, but messages and tools
-        response_json        JSON,
-        prompt_shared        INTEGER,      -- ids kept from the base's prompt + token ids
-        prompt_suffix        VARCHAR,      -- ids after them, as JSON text (NULL: no prompt ids):
-                                           -- DuckDB's WAL for a list grows with its row group
-        prompt_len           INTEGER,
-        token_ids            INTEGER[],
-        logprobs             FLOAT[],
-        finish_reason        VARCHAR,
-        prompt_tokens        INTEGER,
-        completion_tokens    INTEGER,
-        usage_json           JSON,
-        queue_ms             DOUBLE,
-        backend_ms           DOUBLE,
-        total_ms             DOUBLE,
-        error                VARCHAR,
-        error_kind           VARCHAR,
-        policy_version       VARCHAR,
-        dropped              VARCHAR[],
-        started_at           TIMESTAMPTZ,
-        created_at           TIMESTAMPTZ DEFAULT now()
-    );
+    "\n    " + _CALL_RECORDS.format(name="call_records_v5", key="NOT NULL") + """
     INSERT INTO call_records_v5 SELECT * FROM call_records;
     DROP TABLE call_records;
     ALTER TABLE call_records_v5 RENAME TO call_records;

@@ -283,7 +283,7 @@ class CallWriter:
 
     def _release(self) -> None:
         """Close the file (DuckDB checkpoints on close), so another process can open it."""
-        self._memory_boost = 0
+        self._memory, self._memory_boost = 0, 0   # settings of the connection that goes
         if self._con is not None:
             con, self._con = self._con, None
             try:
@@ -319,7 +319,6 @@ class CallWriter:
             self._con = connect(self.db_path, timeout=timeout, row_group_size=ROW_GROUP_ROWS)
             for setting in LOADER_SETTINGS:
                 self._con.execute(setting)
-            self._memory = 0
         memory = _loader_memory(max(map(len, lines), default=0)) << self._memory_boost
         if memory != self._memory:
             self._con.execute(f"SET memory_limit = '{memory}B'")

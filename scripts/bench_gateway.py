@@ -306,10 +306,14 @@ class Bench:
         records = run_load(self.ports[cfg], sessions, concurrency)
         proxy1 = cpu_s([pid]) if pid else 0.0
         fake1, self1 = cpu_s([self.fake.proc.pid]), time.process_time()
+        # polar's loader loads whole row groups while calls come, the rest when a reader
+        # asks: the calls it left in its log are loaded (and their CPU counted) later
+        pending = polar_health(self.polar_port).get("log_pending") if cfg == "polar" else None
         after_s = settle(self.servers)
         proxy2 = cpu_s([pid]) if pid else 0.0
         after = self.fake.stats()
         part = {"records": records, "sessions": n, "settle_before_s": waited, "settle_after_s": after_s,
+                "log_pending": pending,
                 "proxy_cpu_s": proxy1 - proxy0, "proxy_deferred_cpu_s": proxy2 - proxy1,
                 "fake_cpu_s": fake1 - fake0, "client_cpu_s": self1 - self0,
                 "peak_rss_mb": peak_rss_mb(pid) if pid else None, "rss_after_mb": rss_mb(pid) if pid else None,
@@ -464,7 +468,8 @@ def report(bench: Bench, results: list[dict], soak: dict | None, extra: dict) ->
             print(f"polar at {c} clients: peak RSS {r['peak_rss_max_mb']:.1f} MB over all rounds, "
                   f"{r['rss_after_mb']:.1f} MB after; backend requests per call "
                   + ", ".join(f"{k} {v:.2f}" for k, v in sorted(per.items()))
-                  + f"; idle {r['settle_after_s']:.1f} s after the clients finished")
+                  + f"; idle {r['settle_after_s']:.1f} s after the clients finished; calls left in "
+                  f"its log per window (loaded later): {[w.get('log_pending') for w in r['windows']]}")
     if soak:
         print()
         print(f"soak: polar, {soak['clients']} clients, {soak['seconds']:.0f} s, {soak['calls']} calls, "

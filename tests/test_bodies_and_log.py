@@ -7,7 +7,7 @@ import orjson
 
 from polar_mitm.addons.bodies import depth_ok
 from polar_mitm.store import query
-from polar_mitm.store.calllog import LogAppender, log_dir
+from polar_mitm.store.calllog import LogAppender, Position, log_dir, read_lines
 from polar_mitm.store.db import init_db
 from polar_mitm.store.writer import _dumps, catch_up
 
@@ -97,3 +97,15 @@ def test_async_submits_settle_together_and_a_cancelled_waiter_harms_nothing(tmp_
     assert done == sorted(done) and len(set(done)) == 46 and later > max(done)
     rows = query(tmp_path / "a.duckdb", "SELECT count(*), max(seq) FROM call_records")[1]
     assert rows[0][1] == later and rows[0][0] >= 47
+
+
+def test_read_lines_takes_at_most_max_lines_and_a_long_line_whole(tmp_path):
+    app = LogAppender(tmp_path)
+    lines = [b"a" * 10, b"b" * (3 << 20), b"c" * 5, b"d" * 7]
+    app.append(b"".join(line + b"\n" for line in lines))
+    got, pos = read_lines(tmp_path, Position(app.seg, 0), max_lines=1)
+    assert got == lines[:1] and pos == Position(app.seg, 11)
+    got, pos = read_lines(tmp_path, pos, max_bytes=1 << 20)   # longer than max_bytes: whole
+    assert got == lines[1:2]
+    got, end = read_lines(tmp_path, pos, max_lines=5)
+    assert got == lines[2:] and end == Position(app.seg, sum(len(x) + 1 for x in lines))

@@ -79,6 +79,54 @@ def test_a_load_out_of_memory_is_retried_with_more(tmp_path, monkeypatch):
     assert query(db, "SELECT call_id FROM calls")[1] == [("c0",)]
 
 
+def test_calls_load_in_whole_row_groups_written_straight_to_the_file(tmp_path):
+    """While calls come, the loader loads exactly ROW_GROUP_ROWS lines at a time (DuckDB
+    writes such a row group to the file as it fills: no WAL, never rewritten) and leaves
+    the rest in the log; a reader's request, or load_interval, loads the rest."""
+    db = tmp_path / "a.duckdb"
+    w = CallWriter(db, load_interval=3600).start()
+    w.idle_release = 3600
+    rows = writer_module.ROW_GROUP_ROWS
+    futs = [w.submit({"session_id": f"s~{i % 7}", "task_id": "s"}, record(i)) for i in range(rows + 100)]
+    assert sorted(f.result(30) for f in futs)[-1] > 0
+    deadline = time.monotonic() + 30
+    while w.loads == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)   # nothing more is loaded: 100 lines do not fill a row group
+    assert (w.loads, w.load_errors, w.pending_lines) == (1, 0, 100)
+    wal = db.with_name(db.name + ".wal")
+    assert not wal.exists() or wal.stat().st_size < 256 * 1024   # the rows went to the file itself
+    # a reader gets every acknowledged call at once
+    assert query(db, "SELECT count(*), count(DISTINCT call_id) FROM call_records")[1] == [(rows + 100,) * 2]
+    assert w.pending_lines == 0
+    # The table's last row group is part-filled now: once a whole group more is waiting,
+    # the loader fills that one first (through the WAL), then loads the whole group.
+    more = (rows - 100) + rows + 100
+    futs = [w.submit(SESSION, record(rows + 100 + i)) for i in range(more)]
+    [f.result(30) for f in futs]
+    deadline = time.monotonic() + 30
+    while w.pending_lines > 100 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (w.pending_lines, w.load_errors) == (100, 0)
+    w.close()
+    assert query(db, "SELECT count(*) FROM call_records")[1] == [(3 * rows + 100,)]
+    groups = query(db, "SELECT row_group_id, max(count) FROM pragma_storage_info('call_records') "
+                       "WHERE column_name = 'seq' GROUP BY 1 ORDER BY 1")[1]
+    assert [n for _, n in groups] == [rows, rows, rows, 100]
+
+
+def test_a_part_filled_row_group_loads_after_load_interval(tmp_path):
+    db = tmp_path / "a.duckdb"
+    w = CallWriter(db, load_interval=0.3).start()
+    w.idle_release = 3600
+    assert w.submit(SESSION, record(0)).result(10) == 1
+    deadline = time.monotonic() + 10
+    while w.pending_lines and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (w.pending_lines, w.loads, w.load_errors) == (0, 1, 0)
+    w.close()
+
+
 def test_group_commit_assigns_sequence_numbers(tmp_path):
     db = tmp_path / "a.duckdb"
     w = CallWriter(db).start()

@@ -44,7 +44,9 @@ class LocalAnswers:
                  "streams_kept_alive": self.model_calls.relay.handed_over,
                  # the loader's bulk loads into DuckDB, and those that failed (to be retried)
                  "loads": writer.loads if (writer := self.model_calls.writer) else 0,
-                 "load_errors": writer.load_errors if writer else 0}), _JSON)
+                 "load_errors": writer.load_errors if writer else 0,
+                 # acknowledged calls still only in the call log (readers get them on asking)
+                 "log_pending": writer.pending_lines if writer else 0}), _JSON)
         elif is_websocket(req):
             # Codex tries Responses-over-WebSocket first and falls back to HTTPS on 404.
             flow.response = http.Response.make(404, b'{"error": "websocket transport not offered"}', _JSON)

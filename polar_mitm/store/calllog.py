@@ -118,31 +118,53 @@ class LogAppender:
 
 
 def read_lines(directory: Path, start: Position, max_bytes: int = 64 << 20,
-               end: Position | None = None) -> tuple[list[bytes], Position]:
-    """Complete lines from `start` on (up to `end`, when given), about max_bytes at most;
-    returns them and the position after the last one. A torn last line of a segment that
-    a newer segment follows was never acknowledged and is skipped."""
+               end: Position | None = None, max_lines: int | None = None) -> tuple[list[bytes], Position]:
+    """Complete lines from `start` on (up to `end`, when given), about max_bytes at most
+    (a longer line whole) and max_lines at most; returns them and the position after the
+    last one. A torn last line of a segment that a newer segment follows was never
+    acknowledged and is skipped."""
     lines: list[bytes] = []
     pos = start
     taken = 0
     ids = [s for s in segment_ids(directory) if s >= start.seg and (end is None or s <= end.seg)]
     for i, seg in enumerate(ids):
         offset = start.offset if seg == start.seg else 0
-        want = max(max_bytes - taken, 1 << 20)
+        want = max(max_bytes - taken, 1)
         if end is not None and seg == end.seg:
             want = min(want, end.offset - offset)
         try:
             with open(segment_path(directory, seg), "rb") as f:
                 f.seek(offset)
                 data = f.read(want)
-                at_eof = f.tell() >= os.fstat(f.fileno()).st_size
+                size = os.fstat(f.fileno()).st_size
+                limit = end.offset if end is not None and seg == end.seg else size
+                while b"\n" not in data and offset + len(data) < limit:
+                    # a line longer than max_bytes: read on to its end, it loads whole
+                    more = f.read(min(max(len(data), 1 << 20), limit - offset - len(data)))
+                    if not more:
+                        break
+                    data += more
+                at_eof = f.tell() >= size
         except FileNotFoundError:
             continue
+        if len(data) > want and b"\n" in data:   # read on for one long line: that line alone
+            data = data[:data.find(b"\n") + 1]
+            at_eof = False
         cut = data.rfind(b"\n") + 1
-        lines += [line for line in data[:cut].split(b"\n") if line]
+        parts = data[:cut].split(b"\n")
+        parts.pop()   # what follows the last newline
+        if max_lines is not None and len(parts) > max_lines - len(lines):
+            # the first lines only: cut after the newline of the last one taken
+            cut = 0
+            for part in parts[:max_lines - len(lines)]:
+                cut += len(part) + 1
+            parts = parts[:max_lines - len(lines)]
+            at_eof = False
+        lines += [line for line in parts if line]
         taken += cut
         pos = Position(seg, offset + cut)
-        if (end is not None and seg == end.seg) or not at_eof or taken >= max_bytes:
+        if (end is not None and seg == end.seg) or not at_eof or taken >= max_bytes \
+                or (max_lines is not None and len(lines) >= max_lines):
             break
         if i + 1 < len(ids):
             # Only the newest segment is ever appended to, so an older one is finished: a

@@ -50,16 +50,37 @@ def test_call_records_lose_their_primary_key_and_keep_their_rows(tmp_path):
     con.close()
     init_db(db)
     con = duckdb.connect(str(db))
-    assert con.execute("SELECT count(*) FROM duckdb_constraints() WHERE table_name = 'call_records' "
+    assert con.execute("SELECT count(*) FROM duckdb_constraints() WHERE table_name LIKE 'call_records%' "
                        "AND constraint_type = 'PRIMARY KEY'").fetchone() == (0,)
     assert con.execute("SELECT request_text, prompt_token_ids, token_ids FROM calls").fetchall() == \
         [("hello", [1, 2], [3])]
     con.close()
 
 
+def test_call_records_become_a_view_of_whole_row_groups_and_a_tail(tmp_path):
+    """Migration 6 keeps every row (in call_records_main), and new calls load after them."""
+    db = tmp_path / "a.duckdb"
+    con = duckdb.connect(str(db))
+    con.execute("CREATE TABLE schema_version (version INTEGER PRIMARY KEY, applied_at TIMESTAMPTZ DEFAULT now())")
+    for version, sql in enumerate(MIGRATIONS[:5], start=1):
+        con.execute(sql)
+        con.execute("INSERT INTO schema_version (version) VALUES (?)", [version])
+    con.execute("INSERT INTO sessions (session_id) VALUES ('s')")
+    con.execute("INSERT INTO call_records (call_id, session_id, seq, request_middle, prompt_suffix, "
+                "token_ids) VALUES ('c0', 's', 1, 'hello', '[1,2]', [3])")
+    con.close()
+    w = CallWriter(db).start()
+    assert w.submit({"session_id": "s"}, record(1)).result(10) == 2
+    w.close()
+    assert query(db, "SELECT call_id, seq FROM call_records ORDER BY seq")[1] == [("c0", 1), ("c1", 2)]
+    assert query(db, "SELECT table_type FROM information_schema.tables WHERE table_name = 'call_records'")[1] \
+        == [("VIEW",)]
+    assert query(db, "SELECT request_text FROM calls WHERE call_id = 'c0'")[1] == [("hello",)]
+
+
 def test_a_request_line_larger_than_the_base_memory_is_loaded(tmp_path):
-    """DuckDB's read_json needs its buffer (the longest line, to a power of two) inside
-    the memory limit: a 40 MB line needs 64 MB more than a short one."""
+    """DuckDB's CSV reader needs a buffer of twice the longest line inside the memory
+    limit, and the line's values room besides."""
     db = tmp_path / "a.duckdb"
     w = CallWriter(db).start()
     big = '{"t":"' + "x" * (40 << 20) + '"}'
@@ -70,7 +91,7 @@ def test_a_request_line_larger_than_the_base_memory_is_loaded(tmp_path):
 
 
 def test_a_load_out_of_memory_is_retried_with_more(tmp_path, monkeypatch):
-    monkeypatch.setattr(writer_module, "LOADER_MEMORY", 0)   # 32 MiB: one line needs ~40
+    monkeypatch.setattr(writer_module, "LOADER_MEMORY", -(3 << 20))   # ~1 MB in all: too little
     db = tmp_path / "a.duckdb"
     w = CallWriter(db).start()
     assert w.submit(SESSION, record(0)).result(10) == 1
@@ -80,39 +101,41 @@ def test_a_load_out_of_memory_is_retried_with_more(tmp_path, monkeypatch):
 
 
 def test_calls_load_in_whole_row_groups_written_straight_to_the_file(tmp_path):
-    """While calls come, the loader loads exactly ROW_GROUP_ROWS lines at a time (DuckDB
-    writes such a row group to the file as it fills: no WAL, never rewritten) and leaves
-    the rest in the log; a reader's request, or load_interval, loads the rest."""
+    """While calls come, the loader loads exactly ROW_GROUP_ROWS lines at a time into
+    call_records_main (DuckDB writes such a row group to the file as it fills: no WAL,
+    never rewritten) and leaves the rest in the log. A reader gets them at once, from
+    call_records_tail."""
     db = tmp_path / "a.duckdb"
     w = CallWriter(db, load_interval=3600).start()
     w.idle_release = 3600
     rows = writer_module.ROW_GROUP_ROWS
-    futs = [w.submit({"session_id": f"s~{i % 7}", "task_id": "s"}, record(i)) for i in range(rows + 100)]
-    assert sorted(f.result(30) for f in futs)[-1] > 0
-    deadline = time.monotonic() + 30
-    while w.loads == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.3)   # nothing more is loaded: 100 lines do not fill a row group
-    assert (w.loads, w.load_errors, w.pending_lines) == (1, 0, 100)
+
+    def submit(n, start):
+        futs = [w.submit({"session_id": f"s~{i % 7}", "task_id": "s"}, record(start + i)) for i in range(n)]
+        return [f.result(30) for f in futs]
+
+    def settled(pending):
+        deadline = time.monotonic() + 30
+        while w.pending_lines > pending and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)   # and nothing more is loaded
+        return w.pending_lines, w.load_errors
+
+    submit(rows + 100, 0)
+    assert settled(100) == (100, 0) and w.loads == 1
     wal = db.with_name(db.name + ".wal")
     assert not wal.exists() or wal.stat().st_size < 256 * 1024   # the rows went to the file itself
-    # a reader gets every acknowledged call at once
     assert query(db, "SELECT count(*), count(DISTINCT call_id) FROM call_records")[1] == [(rows + 100,) * 2]
-    assert w.pending_lines == 0
-    # The table's last row group is part-filled now: once a whole group more is waiting,
-    # the loader fills that one first (through the WAL), then loads the whole group.
-    more = (rows - 100) + rows + 100
-    futs = [w.submit(SESSION, record(rows + 100 + i)) for i in range(more)]
-    [f.result(30) for f in futs]
-    deadline = time.monotonic() + 30
-    while w.pending_lines > 100 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert (w.pending_lines, w.load_errors) == (100, 0)
+    assert w.pending_lines == 0   # the reader asked: the 100 went to the tail
+    submit(rows + 50, rows + 100)   # one whole row group more, and 50
+    assert settled(50) == (50, 0)
     w.close()
-    assert query(db, "SELECT count(*) FROM call_records")[1] == [(3 * rows + 100,)]
-    groups = query(db, "SELECT row_group_id, max(count) FROM pragma_storage_info('call_records') "
+    assert query(db, "SELECT count(*), count(DISTINCT call_id) FROM call_records")[1] == [(2 * rows + 150,) * 2]
+    assert query(db, f"SELECT count(*) FROM {writer_module.TAIL}")[1] == [(150,)]
+    groups = query(db, "SELECT row_group_id, max(count) FROM pragma_storage_info('call_records_main') "
                        "WHERE column_name = 'seq' GROUP BY 1 ORDER BY 1")[1]
-    assert [n for _, n in groups] == [rows, rows, rows, 100]
+    assert [n for _, n in groups] == [rows, rows]
+    assert query(db, "SELECT count(*) FROM calls WHERE request_text IS NOT NULL")[1] == [(2 * rows + 150,)]
 
 
 def test_a_part_filled_row_group_loads_after_load_interval(tmp_path):

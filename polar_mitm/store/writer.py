@@ -40,9 +40,12 @@ from .schema import JSON_COLUMNS, RECORD_COLUMNS
 log = logging.getLogger("polar")
 
 _SESSION_COLUMNS = ("session_id", "task_id", "source", "client", "user_agent")
+_LINE_COLUMNS = [c for c in RECORD_COLUMNS if c != "session_id"]   # a line's "r"
 _STOP = object()
 LOAD_FILE = ".load.jsonl"   # in <db>.log/: the lines of one bulk load, for DuckDB's read_json
-LINE_MARK = b'{"v":2,'      # log lines of this format; older ones carry whole requests
+LINE_MARK = b'{"v":3,'      # log lines of this format: every column's key, null or not
+LINE_V2 = b'{"v":2,'        # the same without the keys of null columns; older ones carry
+                            # whole requests
 POSITION_KEY = "log_position"
 WRITER_LOCK = ".writer.lock"   # in <db>.log/
 # DuckDB 2.0 rewrites a table's last row group at each checkpoint (leaving its old blocks
@@ -52,12 +55,13 @@ WRITER_LOCK = ".writer.lock"   # in <db>.log/
 # memory limit stays well above the checkpoint threshold: at 64 MB against a 256 MB WAL,
 # every load failed out of memory. One thread: the proxy's own work needs the CPUs.
 ROW_GROUP_ROWS = 2048
+MAIN, TAIL = "call_records_main", "call_records_tail"   # the tables behind call_records
 LOADER_SETTINGS = ("SET threads = 1", "SET checkpoint_threshold = '16MB'")
-# DuckDB's memory in the proxy besides the JSON reader's buffers (_loader_memory): room for
-# the data not yet checkpointed and one load. More only buys a cache the loader never
-# reads: at 128 MB the proxy peaked about 15 MB higher at 64 clients (bench_gateway.py).
-LOADER_MEMORY = 32 << 20
-JSON_BUFFER = 32 << 20
+# DuckDB's memory in the proxy besides the CSV reader's buffer (_loader_memory): room for
+# one load of a whole row group, or of LOAD_BYTES into a part-filled one (48 MB was
+# measured to be enough, 40 not). More only buys a cache the loader never reads.
+LOADER_MEMORY = 60 << 20
+CSV_BUFFER = 4 << 20
 LOAD_BYTES = 8 << 20    # of log lines read at a time, and per load of a part-filled row group
 GROUP_BYTES = 64 << 20  # per whole-row-group load: past it, the group goes in smaller loads
 # What a line may be refused for: its data. Anything else (out of memory, I/O) fails the
@@ -84,7 +88,6 @@ class CallWriter:
         self._durable = Position()         # the log up to here is fsynced
         self._durable_lines = 0            # lines up to there since start, and those loaded
         self._loaded_lines = 0
-        self._table_rows = 0               # rows in call_records, for whole row groups
         self._appends: deque = deque()     # (end, monotonic time) of each append not yet loaded
         self._last_append = time.monotonic()
         self._deltas = DeltaCache()       # the log thread's recent calls per session
@@ -122,7 +125,6 @@ class CallWriter:
             row = con.execute("SELECT value FROM meta WHERE key = ?", [POSITION_KEY]).fetchone()
             self._position = Position.decode(row[0] if row else None)
             self._seq = dict(con.execute("SELECT session_id, max(seq) FROM call_records GROUP BY 1").fetchall())
-            self._table_rows = con.execute("SELECT count(*) FROM call_records").fetchone()[0]
         # Lines a previous run acknowledged but did not load yet count for the numbering.
         pos = self._position
         while True:
@@ -290,8 +292,7 @@ class CallWriter:
             if pending and now >= retry_at:
                 # Whole row groups as soon as there are some; the rest when a reader asks,
                 # or once the oldest has waited load_interval (see _load for why).
-                gap = -self._table_rows % ROW_GROUP_ROWS
-                if self._durable_lines - self._loaded_lines >= gap + ROW_GROUP_ROWS:
+                if self._durable_lines - self._loaded_lines >= ROW_GROUP_ROWS:
                     ok = self._load_pending(timeout=0.05, whole_groups=True)
                 elif now - self._oldest_pending() >= self.load_interval:
                     ok = self._load_pending(timeout=0.05)
@@ -338,18 +339,12 @@ class CallWriter:
         try:
             self._open(timeout)
             while self._position < target:
-                pending = lines_now - self._loaded_lines
-                gap = -self._table_rows % ROW_GROUP_ROWS   # rows the last row group lacks
-                if not gap and pending >= ROW_GROUP_ROWS:
+                if lines_now - self._loaded_lines >= ROW_GROUP_ROWS:
                     self._load(target, ROW_GROUP_ROWS, GROUP_BYTES)
-                    continue
-                if whole_groups and pending < gap + ROW_GROUP_ROWS:
+                elif whole_groups:
                     break
-                # Through the WAL, a few MB at a time: rows not checkpointed stay in
-                # DuckDB's memory, so each such load is checkpointed at once (which
-                # rewrites the part-filled row group it went to).
-                self._load(target, gap or None, LOAD_BYTES)
-                self._con.execute("CHECKPOINT")
+                else:
+                    self._load(target, None, LOAD_BYTES)
             return True
         except StoreBusy:
             return False          # someone else holds the file; the log keeps the calls
@@ -365,18 +360,17 @@ class CallWriter:
             self._con = connect(self.db_path, timeout=timeout, row_group_size=ROW_GROUP_ROWS)
             for setting in LOADER_SETTINGS:
                 self._con.execute(setting)
-            # count(*) comes from the row groups' metadata: no scan
-            self._table_rows = self._con.execute("SELECT count(*) FROM call_records").fetchone()[0]
 
     def _load(self, target: Position, max_lines: int | None, max_bytes: int) -> int:
         """One transaction: the lines from the loaded position on, up to `target`, at most
         max_lines and about max_bytes of them; returns how many were read.
 
-        Loads of exactly ROW_GROUP_ROWS lines into a table whose row groups are full are
-        the cheap ones: DuckDB writes the row group straight to the file as it fills (no
-        WAL), and no checkpoint ever rewrites it. Smaller loads go through the WAL, and
-        each checkpoint rewrites the table's part-filled last row group: measured on the
-        bench's log lines, 0.4 ms of CPU per call in whole groups, 1.0 in loads of 300."""
+        Exactly ROW_GROUP_ROWS lines go to call_records_main: DuckDB writes such a row group
+        straight to the file as it fills (no WAL), and never rewrites it. Fewer go to
+        call_records_tail, which is checkpointed at once (DuckDB keeps rows not
+        checkpointed in memory). Measured on the bench's log lines: 0.3 ms of CPU per call
+        in whole groups, 1.0 in loads of 300 into a part-filled row group, which DuckDB
+        rewrites at every checkpoint and needs in memory to append to."""
         directory = log_dir(self.db_path)
         batch = _LoadFile(directory / LOAD_FILE)
         pos = self._position
@@ -393,25 +387,30 @@ class CallWriter:
             batch.close()
         if pos == self._position:
             raise RuntimeError(f"the call log cannot be read past {pos.encode()}")
-        memory = _loader_memory(batch.longest) << self._memory_boost
+        whole = batch.stored == ROW_GROUP_ROWS
+        # a whole row group is in memory until it is written: measured, 64 MB of lines
+        # (2048 of the bench's) load in 64 MB mostly, but not always in the proxy
+        memory = (_loader_memory(batch.longest) + (batch.bytes // 2 if whole else 0)) << self._memory_boost
         if memory != self._memory:
             self._con.execute(f"SET memory_limit = '{memory}B'")
             self._memory = memory
         try:
-            batch.insert(self._con, pos, self._known_sessions)
+            batch.insert(self._con, pos, self._known_sessions, whole=whole)
+            if not whole:
+                self._con.execute("CHECKPOINT")
         except BaseException as e:
             self._known_sessions.clear()   # those of the failed load may not be in
             self._ack_ms.update(batch.acks)   # the retry stamps them again
             boost = self._memory_boost
             self._release()
             if isinstance(e, duckdb.OutOfMemoryException):
-                # e.g. a large WAL replayed after a crash: the retries get twice the memory,
-                # until the file is let go
+                # e.g. a large tail, or a WAL replayed after a crash: the retry gets twice
+                # the memory, and the next load the usual again
                 self._memory_boost = min(boost + 1, 6)
             raise
+        self._memory_boost = 0
         self._position = pos
         self._loaded_lines += batch.lines
-        self._table_rows += batch.stored
         self.loads += 1
         drop_loaded(directory, pos, keep_from=self._log.seg if self._log else pos.seg)
         return batch.lines
@@ -452,14 +451,13 @@ class _LoadFile:
         if not self._f.closed:
             self._f.close()
 
-    def insert(self, con, nxt: Position, known: set[str] | None = None) -> None:
+    def insert(self, con, nxt: Position, known: set[str] | None = None, whole: bool = False) -> None:
         """One transaction: these calls and the log position after them, so each line is
-        loaded once. known: the session ids already stored (added to here). A line DuckDB
-        refuses is stored as a failed call that says why, rather than hold up every later
-        one."""
+        loaded once; whole: into call_records_main (else into the tail). known: the session ids already stored (added to here). A line DuckDB refuses
+        is stored as a failed call that says why, rather than hold up every later one."""
         new_sessions = known is None or not self.sessions <= known
         try:
-            _insert(con, self, nxt, new_sessions)
+            _insert(con, self, nxt, new_sessions, whole)
         except _DATA_ERRORS as e:
             log.error("polar: DuckDB refused a load of %d log lines (%s); loading them one by one",
                       self.stored, e)
@@ -468,7 +466,7 @@ class _LoadFile:
             lines = [_storable(con, line, one) for line in lines]
             _write_scratch(self.path, lines)
             self.longest = max(map(len, lines), default=0)
-            _insert(con, self, nxt, True)
+            _insert(con, self, nxt, True, whole)
         if known is not None:
             if len(known) > 100_000:
                 known.clear()
@@ -477,8 +475,9 @@ class _LoadFile:
 
 def load_lines(con, lines: list[bytes], nxt: Position, scratch: Path,
                ack_ms: dict[str, float] | None = None, known: set[str] | None = None) -> None:
-    """Loads these log lines in one transaction (see _LoadFile.insert); `ack_ms` has the
-    total_ms of calls this process acknowledged (taken once used)."""
+    """Loads these log lines into call_records_tail in one transaction (see
+    _LoadFile.insert); `ack_ms` has the total_ms of calls this process acknowledged
+    (taken once used)."""
     batch = _LoadFile(scratch)
     try:
         batch.add(lines, ack_ms)
@@ -487,7 +486,7 @@ def load_lines(con, lines: list[bytes], nxt: Position, scratch: Path,
     batch.insert(con, nxt, known)
 
 
-def _insert(con, batch: _LoadFile, nxt: Position, new_sessions: bool) -> None:
+def _insert(con, batch: _LoadFile, nxt: Position, new_sessions: bool, whole: bool = False) -> None:
     con.execute("BEGIN")
     try:
         if batch.stored:
@@ -498,9 +497,9 @@ def _insert(con, batch: _LoadFile, nxt: Position, new_sessions: bool) -> None:
                             f"any_value(s.client), any_value(s.user_agent) FROM {source} "
                             "GROUP BY s.session_id ON CONFLICT DO NOTHING")
             acked, params = _acked(batch.acks)
-            con.execute(f"INSERT INTO call_records ({', '.join(RECORD_COLUMNS)}) "
-                        f"SELECT {_SELECT} FROM {source} "
-                        f"LEFT JOIN ({acked}) a ON a.call_id = r.call_id", params)
+            columns = ", ".join(RECORD_COLUMNS)
+            new = f"SELECT {_SELECT} FROM {source} LEFT JOIN ({acked}) a ON a.call_id = r.call_id"
+            con.execute(f"INSERT INTO {MAIN if whole else TAIL} ({columns}) {new}", params)
         con.execute("INSERT INTO meta VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
                     [POSITION_KEY, nxt.encode()])
         con.execute("COMMIT")
@@ -525,30 +524,34 @@ def _write_scratch(path: Path, lines: list[bytes]) -> None:
 _TYPES: dict[str, str] = {}
 
 
-def _object_size(longest: int) -> int:
-    return max(1 << 20, longest + 1024)
+def _csv_buffer(longest: int) -> int:
+    return max(CSV_BUFFER, 2 * (longest + 1024))
 
 
 def _loader_memory(longest: int) -> int:
-    """DuckDB's read_json reads through a buffer of maximum_object_size rounded up to a
-    power of two, 32 MiB at least, and then holds the line's values besides: measured, one
-    short line needs 40 MB, a 40 MB line 124."""
-    return LOADER_MEMORY + max(JSON_BUFFER, 1 << (_object_size(longest) - 1).bit_length()) + 2 * longest
+    """DuckDB's memory for one load: LOADER_MEMORY, the CSV reader's buffer, and room for
+    the longest line's copies (measured: a 40 MB line needs ~275 MB in all)."""
+    return LOADER_MEMORY + _csv_buffer(longest) + 5 * longest
 
 
 def _read_log_sql(con, scratch: Path, longest: int) -> str:
-    """read_json over the scratch file, typed as call_records' columns. DuckDB reserves
-    buffers from maximum_object_size, so it is sized to the longest line."""
+    """The scratch file's lines as `s` and `r` structs typed as call_records' columns. It
+    is read as one-column CSV (its separator, 0x01, is escaped in any JSON) through a
+    buffer sized to the longest line, where read_json reserves 32 MiB at least: measured,
+    a 2048-line load peaks ~25 MB lower. json_transform_strict fails a value of the wrong
+    type as read_json does."""
     if not _TYPES:
         for name, kind in con.execute("SELECT column_name, data_type FROM information_schema.columns "
-                                      "WHERE table_name = 'call_records'").fetchall():
+                                      f"WHERE table_name = '{MAIN}'").fetchall():
             _TYPES[name] = "DOUBLE" if kind.startswith("TIMESTAMP") else kind
-    fields = ", ".join(f"{c} {_TYPES[c]}" for c in RECORD_COLUMNS if c != "session_id")
-    session = ", ".join(f"{c} VARCHAR" for c in _SESSION_COLUMNS)
+    structure = orjson.dumps({"s": dict.fromkeys(_SESSION_COLUMNS, "VARCHAR"),
+                              "r": {c: _TYPES[c] for c in _LINE_COLUMNS}}).decode()
     path = str(scratch).replace("'", "''")
-    return (f"read_json('{path}', format = 'newline_delimited', auto_detect = false, "
-            f"maximum_object_size = {_object_size(longest)}, "
-            f"columns = {{'v': 'INTEGER', 's': 'STRUCT({session})', 'r': 'STRUCT({fields})'}})")
+    line_size = longest + 1024
+    return (f"(SELECT j.s AS s, j.r AS r FROM (SELECT json_transform_strict(line, '{structure}') AS j "
+            f"FROM read_csv('{path}', columns = {{'line': 'VARCHAR'}}, delim = '{chr(1)}', quote = '', "
+            f"escape = '', header = false, auto_detect = false, max_line_size = {line_size}, "
+            f"buffer_size = {_csv_buffer(longest)})))")
 
 
 def _selected(column: str) -> str:
@@ -581,7 +584,7 @@ def _storable(con, line: bytes, scratch: Path) -> bytes:
 
 def _session_id(line: bytes) -> str | None:
     """The session_id of a log line of this format (the first key of its "s")."""
-    head = b'{"v":2,"s":{"session_id":"'
+    head = LINE_MARK + b'"s":{"session_id":"'
     if line.startswith(head):
         raw = line[len(head):line.find(b'"', len(head))]
         if b"\\" not in raw:   # no escapes: the id as it is
@@ -600,10 +603,12 @@ def _call_id(line: bytes) -> str | None:
 
 
 def _upgrade(line: bytes) -> bytes | None:
-    """A line of an older version (whole request and prompt) in this format."""
+    """A line of an older version in this format."""
     entry = _loads(line)
     if not entry:
         return None
+    if line.startswith(LINE_V2):
+        return _dumps(entry["s"], entry["r"])
     row = _stored_row(entry["s"].get("session_id"), dict(entry["r"]), DeltaCache(budget=0))[0]
     return _dumps(entry["s"], row)
 
@@ -641,15 +646,20 @@ def catch_up(db_path: str | os.PathLike, timeout: float = 30.0) -> int:
     if not directory.exists():
         return 0
     loaded = 0
-    con = connect(db_path, timeout=timeout)
+    con = connect(db_path, timeout=timeout, row_group_size=ROW_GROUP_ROWS)
     try:
         while True:
             row = con.execute("SELECT value FROM meta WHERE key = ?", [POSITION_KEY]).fetchone()
             pos = Position.decode(row[0] if row else None)
-            lines, nxt = read_lines(directory, pos)
+            lines, nxt = read_lines(directory, pos, max_lines=ROW_GROUP_ROWS)
             if nxt == pos:
                 return loaded
-            load_lines(con, lines, nxt, directory / LOAD_FILE)
+            batch = _LoadFile(directory / LOAD_FILE)
+            try:
+                batch.add(lines)
+            finally:
+                batch.close()
+            batch.insert(con, nxt, whole=batch.stored == ROW_GROUP_ROWS)
             loaded += len(lines)
     finally:
         con.close()
@@ -702,11 +712,14 @@ def _resolve(fut: concurrent.futures.Future, result=None, exc: BaseException | N
 
 
 def _dumps(session: dict, rec: dict) -> bytes:
-    """The log line of a call (LINE_MARK first). A JSON column nested too deeply to write
-    is marked in it rather than fail the call: orjson writes at most 254 levels (it reads
-    1024), and the gateway keeps such a request as its raw text anyway."""
+    """The log line of a call (LINE_MARK first), with the key of every column (the loader
+    reads the lines strictly: a value of the wrong type fails, a key missing too). A JSON
+    column nested too deeply to write is marked in it rather than fail the call: orjson
+    writes at most 254 levels (it reads 1024), and the gateway keeps such a request as its
+    raw text anyway."""
+    session, rec = dict.fromkeys(_SESSION_COLUMNS) | session, dict.fromkeys(_LINE_COLUMNS) | rec
     try:
-        return orjson.dumps({"v": 2, "s": session, "r": rec}) + b"\n"
+        return orjson.dumps({"v": 3, "s": session, "r": rec}) + b"\n"
     except orjson.JSONEncodeError:
         pass
     rec = dict(rec)
@@ -718,7 +731,7 @@ def _dumps(session: dict, rec: dict) -> bytes:
             orjson.dumps(value)
         except orjson.JSONEncodeError:
             rec[col] = {"polar_unstored": "nested too deeply to store"}
-    return orjson.dumps({"v": 2, "s": session, "r": rec}) + b"\n"
+    return orjson.dumps({"v": 3, "s": session, "r": rec}) + b"\n"
 
 
 def _loads(line: bytes) -> dict | None:

@@ -109,3 +109,18 @@ def test_read_lines_takes_at_most_max_lines_and_a_long_line_whole(tmp_path):
     assert got == lines[1:2]
     got, end = read_lines(tmp_path, pos, max_lines=5)
     assert got == lines[2:] and end == Position(app.seg, sum(len(x) + 1 for x in lines))
+
+
+def test_a_log_line_of_the_previous_format_still_loads(tmp_path):
+    """Lines of format 2 leave out the keys of null columns; they are upgraded as read."""
+    db = tmp_path / "a.duckdb"
+    init_db(db)
+    log = LogAppender(log_dir(db))
+    log.append(orjson.dumps({"v": 2, "s": {"session_id": "s~1", "task_id": "s"}, "r": {
+        "call_id": "a", "seq": 1, "status_code": 200, "request_prefix": 0, "request_suffix": 0,
+        "request_middle": "{}", "request_chars": 2, "prompt_shared": 0, "prompt_suffix": "[1,2]",
+        "prompt_len": 2, "token_ids": [3], "started_at": 1.7e9}}) + b"\n" + _line("s~1", "b", 2))
+    log.close()
+    assert catch_up(db) == 2
+    assert query(db, "SELECT call_id, request_text, prompt_token_ids, token_ids FROM calls ORDER BY seq")[1] \
+        == [("a", "{}", [1, 2], [3]), ("b", "{}", [1, 2], [3])]

@@ -36,18 +36,24 @@ def test_migrations_are_versioned_and_idempotent(tmp_path):
     con.close()
 
 
+def _one_call_at_version(db, version: int) -> None:
+    """A database migrated up to `version`, with one session and one call."""
+    con = duckdb.connect(str(db))
+    con.execute("CREATE TABLE schema_version (version INTEGER PRIMARY KEY, applied_at TIMESTAMPTZ DEFAULT now())")
+    for v, sql in enumerate(MIGRATIONS[:version], start=1):
+        con.execute(sql)
+        con.execute("INSERT INTO schema_version (version) VALUES (?)", [v])
+    con.execute("INSERT INTO sessions (session_id) VALUES ('s')")
+    con.execute("INSERT INTO call_records (call_id, session_id, seq, request_middle, prompt_suffix, "
+                "token_ids) VALUES ('c0', 's', 1, 'hello', '[1,2]', [3])")
+    con.close()
+
+
 def test_call_records_lose_their_primary_key_and_keep_their_rows(tmp_path):
     """An ART index on call_id had to fit in the loader's memory: loads failed once the
     table was large enough (at 24 MB after ~190k calls). Migration 5 drops it."""
     db = tmp_path / "a.duckdb"
-    con = duckdb.connect(str(db))
-    con.execute("CREATE TABLE schema_version (version INTEGER PRIMARY KEY, applied_at TIMESTAMPTZ DEFAULT now())")
-    for version, sql in enumerate(MIGRATIONS[:4], start=1):
-        con.execute(sql)
-        con.execute("INSERT INTO schema_version (version) VALUES (?)", [version])
-    con.execute("INSERT INTO call_records (call_id, session_id, seq, request_middle, prompt_suffix, "
-                "token_ids) VALUES ('c0', 's', 1, 'hello', '[1,2]', [3])")
-    con.close()
+    _one_call_at_version(db, 4)
     init_db(db)
     con = duckdb.connect(str(db))
     assert con.execute("SELECT count(*) FROM duckdb_constraints() WHERE table_name LIKE 'call_records%' "
@@ -60,15 +66,7 @@ def test_call_records_lose_their_primary_key_and_keep_their_rows(tmp_path):
 def test_call_records_become_a_view_of_whole_row_groups_and_a_tail(tmp_path):
     """Migration 6 keeps every row (in call_records_main), and new calls load after them."""
     db = tmp_path / "a.duckdb"
-    con = duckdb.connect(str(db))
-    con.execute("CREATE TABLE schema_version (version INTEGER PRIMARY KEY, applied_at TIMESTAMPTZ DEFAULT now())")
-    for version, sql in enumerate(MIGRATIONS[:5], start=1):
-        con.execute(sql)
-        con.execute("INSERT INTO schema_version (version) VALUES (?)", [version])
-    con.execute("INSERT INTO sessions (session_id) VALUES ('s')")
-    con.execute("INSERT INTO call_records (call_id, session_id, seq, request_middle, prompt_suffix, "
-                "token_ids) VALUES ('c0', 's', 1, 'hello', '[1,2]', [3])")
-    con.close()
+    _one_call_at_version(db, 5)
     w = CallWriter(db).start()
     assert w.submit({"session_id": "s"}, record(1)).result(10) == 2
     w.close()

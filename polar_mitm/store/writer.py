@@ -5,13 +5,13 @@ loader thread moves the log into DuckDB in bulk, off the request path.
   each record on its own (one bad record fails only its own call), appends the batch to
   the log and fsyncs once for all of them (group commit), then resolves the futures with
   each call's sequence number. Records that arrive during an fsync share the next one.
-- The loader wakes every few tens of milliseconds. It opens the database only to load a
-  bulk of log lines (one transaction that also stores how far the log is loaded, so
-  every line lands exactly once), checkpoints there when DuckDB wants to, and closes the
-  file at once. When a reader of another process asks for the file (a request file in
-  `<db>.readers/`), the loader first loads what is pending, so the reader sees every
-  acknowledged call, then leaves the file alone until the reader is done. Calls never
-  wait on DuckDB, whoever holds it and for however long.
+- The loader wakes every few tens of milliseconds. Each load is one transaction that also
+  stores how far the log is loaded, so every line lands exactly once. While calls come it
+  loads whole row groups of ROW_GROUP_ROWS lines (see CallWriter._load), keeps the file
+  open, and lets go of it when calls pause. When a reader of another process asks for the
+  file (a request file in `<db>.readers/`), the loader first loads everything pending, so
+  the reader sees every acknowledged call, then leaves the file alone until the reader is
+  done. Calls never wait on DuckDB, whoever holds it and for however long.
 """
 
 from __future__ import annotations
@@ -48,12 +48,10 @@ LINE_V2 = b'{"v":2,'        # the same without the keys of null columns; older o
                             # whole requests
 POSITION_KEY = "log_position"
 WRITER_LOCK = ".writer.lock"   # in <db>.log/
-# DuckDB 2.0 rewrites a table's last row group at each checkpoint (leaving its old blocks
-# free in the file), and each commit's WAL for a list column grows with the rows appended
-# to that row group since the last checkpoint. Small row groups bound both. Data not yet
-# checkpointed stays in DuckDB's memory (and a reopened file replays its WAL there), so the
-# memory limit stays well above the checkpoint threshold: at 64 MB against a 256 MB WAL,
-# every load failed out of memory. One thread: the proxy's own work needs the CPUs.
+# DuckDB 2.0 writes a transaction's full row groups straight to the file, and rewrites a
+# table's part-filled last row group at each checkpoint (needing it in memory to append to
+# it). The smallest row group it allows (2048 rows of ~30 KB) bounds what one whole-group
+# load holds in memory. One thread: the proxy's own work needs the CPUs.
 ROW_GROUP_ROWS = 2048
 MAIN, TAIL = "call_records_main", "call_records_tail"   # the tables behind call_records
 LOADER_SETTINGS = ("SET threads = 1", "SET checkpoint_threshold = '16MB'")
@@ -417,9 +415,10 @@ class CallWriter:
 
 
 class _LoadFile:
-    """The log lines of one load, written to the scratch file that DuckDB's read_json
-    reads as they come (the loader holds LOAD_BYTES of them at a time), with what the
-    load needs to know about them. Loading takes no Python work per call beyond this."""
+    """The log lines of one load, written to the scratch file DuckDB reads (see
+    _read_log_sql) as they come (the loader holds LOAD_BYTES of them at a time), with
+    what the load needs to know about them. Loading takes no Python work per call beyond
+    this."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -453,8 +452,9 @@ class _LoadFile:
 
     def insert(self, con, nxt: Position, known: set[str] | None = None, whole: bool = False) -> None:
         """One transaction: these calls and the log position after them, so each line is
-        loaded once; whole: into call_records_main (else into the tail). known: the session ids already stored (added to here). A line DuckDB refuses
-        is stored as a failed call that says why, rather than hold up every later one."""
+        loaded once; whole: into call_records_main (else into the tail). known: the
+        session ids already stored (added to here). A line DuckDB refuses is stored as a
+        failed call that says why, rather than hold up every later one."""
         new_sessions = known is None or not self.sessions <= known
         try:
             _insert(con, self, nxt, new_sessions, whole)

@@ -124,3 +124,16 @@ def test_a_log_line_of_the_previous_format_still_loads(tmp_path):
     assert catch_up(db) == 2
     assert query(db, "SELECT call_id, request_text, prompt_token_ids, token_ids FROM calls ORDER BY seq")[1] \
         == [("a", "{}", [1, 2], [3]), ("b", "{}", [1, 2], [3])]
+
+
+def test_header_dict_is_mitmproxys_dict_with_lowercased_names():
+    from mitmproxy.test import tutils
+    from polar_mitm.addons.bodies import header_dict
+    req = tutils.treq()
+    req.headers["X-Api-Key"] = "k"
+    req.headers["User-Agent"] = "claude-cli/2.1 (external, cli)"
+    req.headers.add("Accept", "application/json")
+    req.headers.add("accept", "text/event-stream")
+    req.headers["x-odd"] = b"\xff caf\xc3\xa9".decode("utf-8", "surrogateescape")
+    assert header_dict(req) == {k.lower(): v for k, v in dict(req.headers).items()}
+    assert header_dict(req)["accept"] == "application/json, text/event-stream"

@@ -26,7 +26,8 @@ from polar_mitm.store import CallWriter
 
 from . import sessions
 from .backend_client import BackendClient
-from .bodies import BodyTooLarge, bounded, decoded_body, depth_ok, has_image, is_websocket, MAX_BODY_DEPTH
+from .bodies import (BodyTooLarge, bounded, decoded_body, depth_ok, has_image, header_dict, is_websocket,
+                     MAX_BODY_DEPTH)
 from .proxy_users import ProxyUsers
 from .relay import StreamRelay
 
@@ -192,7 +193,7 @@ class ModelCalls:
         if not self.may_be_model_call(req) or is_count_tokens(req.path) or is_websocket(req):
             return
         body, text = read_body(req, self.max_body)
-        style = adapters.detect(req.method, req.path, dict(req.headers), body)
+        style = adapters.detect(req.method, req.path, header_dict(req), body)
         if not style:
             return
         # mitmdump prints the URL of every flow: a ?key= secret must not reach its log.
@@ -221,7 +222,7 @@ class ModelCalls:
         # mitmproxy stopped reading a body over body_size_limit and answered 413 itself.
         if (flow.response is None and flow.error and "body_size_limit" in flow.error.msg
                 and self.may_be_model_call(flow.request)):
-            style = adapters.detect(flow.request.method, flow.request.path, dict(flow.request.headers))
+            style = adapters.detect(flow.request.method, flow.request.path, header_dict(flow.request))
             if style:
                 await self.call(flow, style, BodyTooLarge(
                     f"request body is larger than polar_max_body ({self.max_body} bytes)"), None,
@@ -358,7 +359,7 @@ class ModelCalls:
         body["max_tokens"] = max(1, min(wanted, limit - count))
 
     def _session(self, flow: http.HTTPFlow, query: str) -> dict:
-        return sessions.attribute(headers=dict(flow.request.headers), query=query,
+        return sessions.attribute(headers=header_dict(flow.request), query=query,
                                   proxy_auth_user=self.users.user(flow),
                                   client_host=flow.client_conn.peername[0] if flow.client_conn.peername else "unknown",
                                   salt=self._ensure_writer().salt,

@@ -30,8 +30,8 @@ _WHOLE_CALLS = """
         WHERE {where_c}"""
 
 
-# call_records as migration 2 made it (with a primary key) and as migration 5 remakes it
-# (without one); formatted, each migration's SQL is what it always was.
+# call_records as migration 2 made it (with a primary key), as migration 5 remakes it
+# (without one), and migration 6's tail; formatted, each migration's SQL is what it was.
 _CALL_RECORDS = """CREATE TABLE {name} (
         call_id              VARCHAR {key},
         session_id           VARCHAR NOT NULL,

@@ -42,7 +42,7 @@ log = logging.getLogger("polar")
 _SESSION_COLUMNS = ("session_id", "task_id", "source", "client", "user_agent")
 _LINE_COLUMNS = [c for c in RECORD_COLUMNS if c != "session_id"]   # a line's "r"
 _STOP = object()
-LOAD_FILE = ".load.jsonl"   # in <db>.log/: the lines of one bulk load, for DuckDB's read_json
+LOAD_FILE = ".load.jsonl"   # in <db>.log/: the lines of one bulk load, for DuckDB to read
 LINE_MARK = b'{"v":3,'      # log lines of this format: every column's key, null or not
 LINE_V2 = b'{"v":2,'        # the same without the keys of null columns; older ones carry
                             # whole requests
@@ -290,7 +290,7 @@ class CallWriter:
             if pending and now >= retry_at:
                 # Whole row groups as soon as there are some; the rest when a reader asks,
                 # or once the oldest has waited load_interval (see _load for why).
-                if self._durable_lines - self._loaded_lines >= ROW_GROUP_ROWS:
+                if self.pending_lines >= ROW_GROUP_ROWS:
                     ok = self._load_pending(timeout=0.05, whole_groups=True)
                 elif now - self._oldest_pending() >= self.load_interval:
                     ok = self._load_pending(timeout=0.05)
@@ -385,16 +385,15 @@ class CallWriter:
             batch.close()
         if pos == self._position:
             raise RuntimeError(f"the call log cannot be read past {pos.encode()}")
-        whole = batch.stored == ROW_GROUP_ROWS
         # a whole row group is in memory until it is written: measured, 64 MB of lines
         # (2048 of the bench's) load in 64 MB mostly, but not always in the proxy
-        memory = (_loader_memory(batch.longest) + (batch.bytes // 2 if whole else 0)) << self._memory_boost
+        memory = (_loader_memory(batch.longest) + (batch.bytes // 2 if batch.whole else 0)) << self._memory_boost
         if memory != self._memory:
             self._con.execute(f"SET memory_limit = '{memory}B'")
             self._memory = memory
         try:
-            batch.insert(self._con, pos, self._known_sessions, whole=whole)
-            if not whole:
+            batch.insert(self._con, pos, self._known_sessions)
+            if not batch.whole:
                 self._con.execute("CHECKPOINT")
         except BaseException as e:
             self._known_sessions.clear()   # those of the failed load may not be in
@@ -450,14 +449,19 @@ class _LoadFile:
         if not self._f.closed:
             self._f.close()
 
-    def insert(self, con, nxt: Position, known: set[str] | None = None, whole: bool = False) -> None:
+    @property
+    def whole(self) -> bool:
+        """A whole row group: it goes to call_records_main, anything less to the tail."""
+        return self.stored == ROW_GROUP_ROWS
+
+    def insert(self, con, nxt: Position, known: set[str] | None = None) -> None:
         """One transaction: these calls and the log position after them, so each line is
-        loaded once; whole: into call_records_main (else into the tail). known: the
-        session ids already stored (added to here). A line DuckDB refuses is stored as a
-        failed call that says why, rather than hold up every later one."""
+        loaded once. known: the session ids already stored (added to here). A line DuckDB
+        refuses is stored as a failed call that says why, rather than hold up every later
+        one."""
         new_sessions = known is None or not self.sessions <= known
         try:
-            _insert(con, self, nxt, new_sessions, whole)
+            _insert(con, self, nxt, new_sessions)
         except _DATA_ERRORS as e:
             log.error("polar: DuckDB refused a load of %d log lines (%s); loading them one by one",
                       self.stored, e)
@@ -466,7 +470,7 @@ class _LoadFile:
             lines = [_storable(con, line, one) for line in lines]
             _write_scratch(self.path, lines)
             self.longest = max(map(len, lines), default=0)
-            _insert(con, self, nxt, True, whole)
+            _insert(con, self, nxt, True)
         if known is not None:
             if len(known) > 100_000:
                 known.clear()
@@ -475,9 +479,8 @@ class _LoadFile:
 
 def load_lines(con, lines: list[bytes], nxt: Position, scratch: Path,
                ack_ms: dict[str, float] | None = None, known: set[str] | None = None) -> None:
-    """Loads these log lines into call_records_tail in one transaction (see
-    _LoadFile.insert); `ack_ms` has the total_ms of calls this process acknowledged
-    (taken once used)."""
+    """Loads these log lines in one transaction (see _LoadFile.insert); `ack_ms` has the
+    total_ms of calls this process acknowledged (taken once used)."""
     batch = _LoadFile(scratch)
     try:
         batch.add(lines, ack_ms)
@@ -486,7 +489,7 @@ def load_lines(con, lines: list[bytes], nxt: Position, scratch: Path,
     batch.insert(con, nxt, known)
 
 
-def _insert(con, batch: _LoadFile, nxt: Position, new_sessions: bool, whole: bool = False) -> None:
+def _insert(con, batch: _LoadFile, nxt: Position, new_sessions: bool) -> None:
     con.execute("BEGIN")
     try:
         if batch.stored:
@@ -499,7 +502,7 @@ def _insert(con, batch: _LoadFile, nxt: Position, new_sessions: bool, whole: boo
             acked, params = _acked(batch.acks)
             columns = ", ".join(RECORD_COLUMNS)
             new = f"SELECT {_SELECT} FROM {source} LEFT JOIN ({acked}) a ON a.call_id = r.call_id"
-            con.execute(f"INSERT INTO {MAIN if whole else TAIL} ({columns}) {new}", params)
+            con.execute(f"INSERT INTO {MAIN if batch.whole else TAIL} ({columns}) {new}", params)
         con.execute("INSERT INTO meta VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
                     [POSITION_KEY, nxt.encode()])
         con.execute("COMMIT")
@@ -654,12 +657,7 @@ def catch_up(db_path: str | os.PathLike, timeout: float = 30.0) -> int:
             lines, nxt = read_lines(directory, pos, max_lines=ROW_GROUP_ROWS)
             if nxt == pos:
                 return loaded
-            batch = _LoadFile(directory / LOAD_FILE)
-            try:
-                batch.add(lines)
-            finally:
-                batch.close()
-            batch.insert(con, nxt, whole=batch.stored == ROW_GROUP_ROWS)
+            load_lines(con, lines, nxt, directory / LOAD_FILE)
             loaded += len(lines)
     finally:
         con.close()

@@ -162,3 +162,42 @@ def test_vllm_prompt_ids_are_kept_as_text():
     assert ids == b"[1,2,40000]" and resp["choices"] == answer["choices"]
     assert parse_completion(b'{"prompt_token_ids": [1, 2,\n 3], "x": 1}') == ({"prompt_token_ids": None, "x": 1}, b"[1,2,3]")
     assert parse_completion(b'{"choices": []}') == ({"choices": []}, None)
+
+
+def test_id_counts_carried_from_base_to_base_stay_exact():
+    """Across a session of prompts longer than a fingerprint block, the shared ids come
+    from the counts each base carries (not from counting the prompt again): every call
+    rebuilds exactly, through chains of bases, retries and side calls."""
+    from polar_mitm.store.delta import IDS_BLOCK, fingerprint
+    rng = random.Random(2)
+    exercised = 0
+    for trial in range(40):
+        cache, stored = DeltaCache(), {}
+        history = [rng.randrange(0, 100_000) for _ in range(rng.randint(0, 3000))]
+        for turn in range(12):
+            kind = rng.random()
+            if kind < 0.15:     # a side call: unrelated short prompt
+                prompt = [rng.randrange(0, 50) for _ in range(rng.randint(1, 40))]
+            elif kind < 0.3:    # re-rendered history: a change somewhere in the middle
+                prompt = list(history)
+                if prompt:
+                    prompt[rng.randrange(len(prompt))] = rng.randrange(0, 10)
+            else:
+                prompt = history + [rng.randrange(0, 100_000) for _ in range(rng.randint(0, 600))]
+            tokens = [rng.randrange(0, 100_000) for _ in range(rng.randint(0, 300))]
+            text = "t" * (3000 + turn)
+            fp = fingerprint(text, orjson.dumps(prompt))
+            d = cache.delta("s", text, fp.prompt, fp)
+            if d.base_call is None:
+                assert orjson.loads(d.prompt_suffix) == prompt
+            else:
+                base_prompt, base_tokens = stored[d.base_call]
+                assert apply_ids(base_prompt, base_tokens, d.prompt_shared,
+                                 orjson.loads(d.prompt_suffix)) == prompt, (trial, turn)
+                exercised += d.prompt_shared * 6 > IDS_BLOCK   # counted in a base, not here
+            call = f"c{turn}"
+            stored[call] = (prompt, tokens)
+            cache.add("s", call, text, fp.prompt, tokens, fp)
+            if kind >= 0.3:
+                history = prompt + tokens
+    assert exercised > 200

@@ -149,3 +149,40 @@ def test_only_the_loopback_relay_may_be_connected_to():
             gw.relay.close()
             assert gw.relay.addresses() == ()
     run(main())
+
+
+def test_what_orjson_cannot_write_is_a_400_and_a_deep_part_never_forwarded_is_fine(tmp_path):
+    """Depth is checked only when a body cannot be forwarded as JSON: a tool schema 300
+    levels deep is the client's 400 (not a 500), as is an int past 64 bits; depth that the
+    adapters drop, like an unknown field, costs nothing and the call goes through."""
+    from fake_vllm import FakeVLLM
+
+    deep = {}
+    for _ in range(300):
+        deep = {"type": "object", "properties": {"x": deep}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    msg = '"messages": [{"role": "user", "content": "hi"}]'
+    bodies = {
+        "deep_tool": b'{"model": "m", ' + msg.encode() + b', "tools": [' + __import__("json").dumps(tool).encode() + b"]}",
+        "big_int": b'{"model": "m", ' + msg.encode() + b', "seed": 123456789012345678901234567890}',
+        "deep_unknown": b'{"model": "m", ' + msg.encode() + b', "x_extra": ' + b"[" * 300 + b"]" * 300 + b"}",
+    }
+
+    async def main():
+        gw = PolarGateway()
+        with FakeVLLM() as fake, taddons.context(gw) as tctx:
+            tctx.configure(gw, polar_db=str(tmp_path / "a.duckdb"), polar_backend=fake.url)
+            await gw.model_calls.running()
+            out = {}
+            for name, body in bodies.items():
+                f = tflow.tflow()
+                f.request.method, f.request.path, f.request.content = "POST", "/v1/chat/completions", body
+                await through(gw, f)
+                out[name] = (f.response.status_code, f.response.json())
+            tctx.master.addons.trigger(hooks.DoneHook())
+        return out
+
+    out = run(main())
+    assert out["deep_tool"][0] == 400 and "nested deeper than" in out["deep_tool"][1]["error"]["message"]
+    assert out["big_int"][0] == 400      # orjson reads it as a float: the adapter refuses it
+    assert out["deep_unknown"][0] == 200

@@ -287,25 +287,30 @@ class ModelCalls:
             raise body
         if not isinstance(body, dict):
             raise AdapterError("request body must be a JSON object")
-        if not depth_ok(body):
-            raise AdapterError(f"request body is nested deeper than {MAX_BODY_DEPTH} levels")
-        normalized = mod.to_chat(body, path)
-        del body
-        if normalized["stream"]:
-            shape.update(stream=True, content_type=adapters.stream_content_type(normalized), request=normalized)
-        record.update(stream=normalized["stream"], requested_model=normalized["model"],
-                      dropped=normalized["dropped"])
-        served = await self.backend.served()
-        backend_body = backend.to_backend(normalized, served, self.overrides, self.backend.max_model_len)
-        await self._fit_max_tokens(backend_body, session_id, len(record["request_text"]))
-        # What vLLM got besides the conversation (sampling, max_tokens as fitted, template flags).
-        record.update(served_model=served, backend_params={
-            k: v for k, v in backend_body.items() if k not in ("messages", "tools")})
+        try:
+            normalized = mod.to_chat(body, path)
+            if normalized["stream"]:
+                shape.update(stream=True, content_type=adapters.stream_content_type(normalized),
+                             request=normalized)
+            record.update(stream=normalized["stream"], requested_model=normalized["model"],
+                          dropped=normalized["dropped"])
+            served = await self.backend.served()
+            backend_body = backend.to_backend(normalized, served, self.overrides, self.backend.max_model_len)
+            await self._fit_max_tokens(backend_body, session_id, len(record["request_text"]))
+            # What vLLM got besides the conversation (sampling, max_tokens as fitted, flags).
+            record.update(served_model=served, backend_params={
+                k: v for k, v in backend_body.items() if k not in ("messages", "tools")})
+            payload = orjson.dumps(backend_body)
+        except (RecursionError, orjson.JSONEncodeError) as e:
+            # Checked only here (a walk costs ~0.1 ms a call): what orjson cannot write
+            # (255+ levels, an int past 64 bits) would also fail the call's log line.
+            if not depth_ok(body):
+                raise AdapterError(f"request body is nested deeper than {MAX_BODY_DEPTH} levels") from None
+            raise AdapterError(f"request body cannot be forwarded: {e}") from None
         # While the backend generates, a call in flight keeps its bytes as sent (mitmproxy's
         # and the log's) and the request as the backend got it, not the parsed conversation
         # as well: 11 MB less at 64 clients (tracemalloc's peak, 58 -> 47 MB).
-        payload = orjson.dumps(backend_body)
-        del backend_body
+        del body, backend_body
         normalized["messages"] = None
         slots = self.backend.slots
         q0 = time.perf_counter()

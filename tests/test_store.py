@@ -121,6 +121,10 @@ def test_calls_load_in_whole_row_groups_written_straight_to_the_file(tmp_path):
 
     submit(rows + 100, 0)
     assert settled(100) == (100, 0) and w.loads == 1
+    # Until the next load DuckDB runs on a small memory_limit: setting it is what makes DuckDB
+    # hand back what its allocator kept of the load (~75 MB; duckdb_memory() does not show it)
+    limit = w._con.cursor().execute("SELECT current_setting('memory_limit')").fetchone()[0]
+    assert limit.endswith("MiB") and float(limit.split()[0]) <= writer_module.IDLE_MEMORY / 2**20
     wal = db.with_name(db.name + ".wal")
     assert not wal.exists() or wal.stat().st_size < 256 * 1024   # the rows went to the file itself
     assert query(db, "SELECT count(*), count(DISTINCT call_id) FROM call_records")[1] == [(rows + 100,) * 2]

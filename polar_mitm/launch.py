@@ -13,6 +13,8 @@ from pathlib import Path
 
 import httpx
 
+from .janitor import janitor
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 TEMPLATES = PACKAGE_DIR / "templates"
 ADDON_FILE = PACKAGE_DIR / "addons" / "polar_addon.py"
@@ -75,6 +77,8 @@ class Service:
         finally:
             if log is not subprocess.DEVNULL:
                 log.close()   # the child has its own copy
+        # stopped with this process even if it is SIGKILLed (no stop() will run then)
+        janitor().watch_group(self.proc.pid)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -85,17 +89,17 @@ class Service:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 20.0) -> None:
-        if not self.alive():
-            return
-        try:
-            os.killpg(self.proc.pid, sig)
-            self.proc.wait(timeout)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
+        if self.alive():
             try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(5)
+                os.killpg(self.proc.pid, sig)
+                self.proc.wait(timeout)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(5)
+        janitor().forget_group(self.proc.pid)
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)

@@ -50,23 +50,25 @@ def test_up_serves_records_and_stops_on_ctrl_c(tmp_path):
         pass
 
 
-def children(pid: int) -> list[int]:
+def children(pid: int, named: str = "") -> list[int]:
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(fields[1]) == pid:
+        if int(fields[1]) == pid and named.encode() in cmdline:
             out.append(int(stat.parent.name))
     return out
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_up_stops_everything_on_sigterm(tmp_path, sig):
     """systemd, docker and kill send SIGTERM: mitmdump must not stay behind, listening and
     holding the database. Ctrl-C too, when `up` was started with SIGINT ignored, as a script's
-    background job is (`nohup ... &`): Python would keep ignoring it."""
+    background job is (`nohup ... &`): Python would keep ignoring it. And SIGKILL (the OOM
+    killer, kill -9): no handler runs, the janitor stops mitmdump."""
     port, rport = launch.free_port(), launch.free_port()
     with FakeVLLM() as fake:
         p = subprocess.Popen(CLI + ["up", "--db", str(tmp_path / "r.duckdb"), "--backend", fake.url,
@@ -81,10 +83,10 @@ def test_up_stops_everything_on_sigterm(tmp_path, sig):
             while time.monotonic() < deadline and "base URL" not in p.stdout.readline():
                 pass
             assert httpx.get(f"http://127.0.0.1:{rport}/v1/models", timeout=5, trust_env=False).status_code == 200
-            (mitmdump,) = children(p.pid)
+            (mitmdump,) = children(p.pid, "mitmdump")
             p.send_signal(sig)
             p.wait(30)
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + (30 if sig == signal.SIGKILL else 5)
             while time.monotonic() < deadline and Path(f"/proc/{mitmdump}").exists():
                 time.sleep(0.1)
             assert not Path(f"/proc/{mitmdump}").exists(), "mitmdump is still running"

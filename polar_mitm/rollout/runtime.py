@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from ..janitor import janitor, kill_marked, uptime
 from .netbridge import UnixToTcp, die_with_parent
 from .spec import Workspace
 
@@ -70,14 +71,15 @@ class SetupError(RuntimeError):
 
 
 class LocalSandbox:
-    def __init__(self, root: Path, keep: bool = False, isolate: tuple[str, ...] | None = None):
+    def __init__(self, root: Path, keep: bool = False, isolate: tuple[str, ...] | None = None,
+                 mark: str | None = None):
         self.root, self.keep, self.isolate = root, keep, isolate
         self.network = "isolated" if isolate else "host"
         self._bridges: list[tuple[UnixToTcp, str]] = []
         self.workdir, self.home, self.tmp = root / "work", root / "home", root / "tmp"
         self.logs = root / "logs"
-        self.mark = uuid.uuid4().hex
-        self.born = _uptime()        # its processes all start after this (seconds since boot)
+        self.mark = mark or uuid.uuid4().hex
+        self.born = uptime()        # its processes all start after this (seconds since boot)
         self._proc: subprocess.Popen | None = None
         self._cancelled = False
 
@@ -132,7 +134,7 @@ class LocalSandbox:
                 continue
             if not _group_alive(proc.pid):
                 break
-        _kill_marked(self.mark, self.born)
+        kill_marked(f"{SANDBOX_MARK}={self.mark}", self.born)
 
     def cancel(self) -> None:
         self._cancelled = True
@@ -144,7 +146,7 @@ class LocalSandbox:
                 pass
 
     def teardown(self) -> None:
-        _kill_marked(self.mark, self.born)
+        kill_marked(f"{SANDBOX_MARK}={self.mark}", self.born)
         for bridge, d in self._bridges:
             bridge.close()
             shutil.rmtree(d, ignore_errors=True)
@@ -167,11 +169,18 @@ class LocalRuntime:
         self.isolate = None if network == "host" else unshare_argv()
         if network == "isolated" and self.isolate is None:
             raise RuntimeError("network isolation asked for, but `unshare -n` is not allowed here")
+        # Each sandbox's mark starts with this runtime's: if this process dies without a
+        # teardown (SIGKILL), its janitor ends every process of every sandbox it ran.
+        self.mark = uuid.uuid4().hex
+        self._watched = False
 
     def prepare(self, session_id: str, workspace: Workspace) -> LocalSandbox:
         safe = session_id.replace("/", "_").replace("~", "-")
         root = Path(tempfile.mkdtemp(prefix=f"{safe}-", dir=self.base))
-        box = LocalSandbox(root, self.keep, self.isolate)
+        if not self._watched:
+            janitor().watch_marks(f"{SANDBOX_MARK}={self.mark}.", uptime())
+            self._watched = True
+        box = LocalSandbox(root, self.keep, self.isolate, mark=f"{self.mark}.{uuid.uuid4().hex}")
         for d in (box.home, box.tmp, box.logs):
             d.mkdir(mode=0o700)
         try:
@@ -210,60 +219,6 @@ def _group_alive(pgid: int) -> bool:
         return True
     except ProcessLookupError:
         return False
-
-
-def _kill_marked(mark: str, born: float = 0.0) -> None:
-    """SIGKILL every process whose environment carries this sandbox's mark (also those that
-    left the process group). Several passes: a process caught mid-exec shows an empty
-    environment for an instant, and a fork can land between two reads."""
-    needle = f"{SANDBOX_MARK}={mark}".encode()
-    quiet, deadline = 0, time.monotonic() + 5.0
-    pauses = iter((0.0, 0.02, 0.05, 0.1, 0.2))
-    # until two clean passes in a row; a process that stays unreadable (an exec slowed down
-    # by a loaded machine) keeps it looking, up to the deadline
-    while time.monotonic() < deadline:
-        time.sleep(next(pauses, 0.25))
-        found = unsure = False
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry.name}/environ", "rb") as f:
-                    env = f.read()
-                if not env:   # mid-exec, if it is one of ours (started after the sandbox)
-                    unsure = unsure or _is_user_process(entry.name, born)
-                    continue
-                if needle in env.split(b"\0"):
-                    os.kill(int(entry.name), signal.SIGKILL)
-                    found = True
-            except (OSError, ValueError):
-                continue
-        quiet = 0 if (found or unsure) else quiet + 1
-        if quiet == 2:    # two clean passes in a row
-            return
-
-
-def _is_user_process(pid: str, born: float = 0.0) -> bool:
-    """A live process that is not a kernel thread (kernel threads and zombies have no
-    environment, for good) and started `born` seconds after boot or later."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return (fields[0] not in (b"Z", b"X") and not int(fields[6]) & 0x00200000   # PF_KTHREAD
-                and int(fields[19]) / _CLK_TCK >= born - 1.0)
-    except (OSError, ValueError, IndexError):
-        return False
-
-
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def _uptime() -> float:
-    try:
-        with open("/proc/uptime") as f:
-            return float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0.0
 
 
 def _tail(path: Path, limit: int = 4000) -> str:

@@ -405,3 +405,22 @@ def test_busy_writer_lets_a_reader_and_a_reward_writer_in(tmp_path):
     assert all(a is not None for a in acked)
     assert query(db, "SELECT count(*), max(seq) FROM calls")[1] == [(len(acked), len(acked))]
     assert query(db, "SELECT reward FROM sessions WHERE session_id = 'busy'")[1] == [(1.0,)]
+
+
+def test_a_session_deleted_by_another_process_comes_back_with_its_next_call(tmp_path):
+    """The loader skips the sessions insert for sessions it already stored; once another
+    process had the file (and may have cleaned up sessions), it looks again."""
+    db = tmp_path / "a.duckdb"
+    w = CallWriter(db, load_interval=0.0).start()
+    w.idle_release = 3600
+    try:
+        assert w.submit(SESSION, record(0)).result(10) == 1
+        assert query(db, "SELECT count(*) FROM sessions")[1] == [(1,)]   # through the loader
+        out = subprocess.run([sys.executable, "-c", "import sys; from polar_mitm.store.db import writing\n"
+                              "with writing(sys.argv[1]) as con: con.execute('DELETE FROM sessions')", str(db)],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert w.submit(SESSION, record(1)).result(10) == 2
+    finally:
+        w.close()
+    assert query(db, "SELECT session_id, task_id FROM sessions")[1] == [("task-a~1", "task-a")]

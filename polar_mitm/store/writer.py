@@ -321,6 +321,9 @@ class CallWriter:
     def _release(self) -> None:
         """Close the file (DuckDB checkpoints on close), so another process can open it."""
         self._memory, self._memory_boost = 0, 0   # settings of the connection that goes
+        # Whoever opens the file next may change the sessions table (a cleanup that deletes
+        # sessions): the next load looks again rather than trust what this one saw.
+        self._known_sessions.clear()
         if self._con is not None:
             con, self._con = self._con, None
             try:

@@ -120,11 +120,14 @@ def is_user_process(pid: str, born: float = 0.0) -> bool:
         return False
 
 
-def kill_marked(prefix: str, born: float = 0.0) -> None:
-    """SIGKILL every process with an environment entry starting with `prefix` (also those
-    that left their process group). Several passes: a process caught mid-exec shows an
-    empty environment for an instant, and a fork can land between two reads."""
-    needle = prefix.encode()
+def kill_marked(prefix: str | list[str], born: float = 0.0) -> None:
+    """SIGKILL every process with an environment entry starting with `prefix` (or any of
+    them; also those that left their process group). Several passes: a process caught
+    mid-exec shows an empty environment for an instant, and a fork can land between two
+    reads."""
+    needles = tuple(p.encode() for p in ([prefix] if isinstance(prefix, str) else prefix))
+    if not needles:
+        return
     me = str(os.getpid())
     quiet, deadline = 0, time.monotonic() + 5.0
     pauses = iter((0.0, 0.02, 0.05, 0.1, 0.2))
@@ -142,7 +145,7 @@ def kill_marked(prefix: str, born: float = 0.0) -> None:
                 if not env:   # mid-exec, if it is one of ours (started after the mark)
                     unsure = unsure or is_user_process(entry.name, born)
                     continue
-                if any(e.startswith(needle) for e in env.split(b"\0")):
+                if any(e.startswith(needles) for e in env.split(b"\0")):
                     os.kill(int(entry.name), signal.SIGKILL)
                     found = True
             except (OSError, ValueError):
@@ -199,8 +202,8 @@ def main() -> None:
         except (IndexError, ValueError):
             continue
     end_groups(groups)
-    for prefix, born in marks:
-        kill_marked(prefix, born)
+    if marks:
+        kill_marked([prefix for prefix, _ in marks], min(born for _, born in marks))
 
 
 if __name__ == "__main__":

@@ -302,8 +302,9 @@ class ModelCalls:
                 k: v for k, v in backend_body.items() if k not in ("messages", "tools")})
             payload = orjson.dumps(backend_body)
         except (RecursionError, orjson.JSONEncodeError) as e:
-            # Checked only here (a walk costs ~0.1 ms a call): what orjson cannot write
-            # (255+ levels, an int past 64 bits) would also fail the call's log line.
+            # Depth is checked only here (~0.1 ms a call): what orjson cannot write (255+
+            # levels) would fail the call's log line too. Depth in what the adapters drop
+            # (an unknown field) is harmless: the log keeps the request's bytes as sent.
             if not depth_ok(body):
                 raise AdapterError(f"request body is nested deeper than {MAX_BODY_DEPTH} levels") from None
             raise AdapterError(f"request body cannot be forwarded: {e}") from None

@@ -390,6 +390,28 @@ def test_scheduling_follows_load_and_priority(tmp_path):
                     ("low~0", "assigned", "idle"), ("low~1", "pending", None)]
 
 
+def test_heartbeats_look_only_through_unfinished_sessions(tmp_path):
+    """A long run finishes sessions by the hundred thousand: a heartbeat must not scan them
+    all. Finished ones leave the server's open set; a retry is a new, open session."""
+    server = RolloutServer(str(tmp_path / "r.duckdb")).start()
+    try:
+        for t in range(30):
+            server.submit({"task_id": f"t{t}", "instruction": "x", "harness": "command", "command": "true",
+                           "num_samples": 4})
+        got = server.heartbeat({"node_id": "n", "load": {"free": 1000}, "active": [], "events": []})
+        ids = [a["session_id"] for a in got["assign"]]
+        assert len(ids) == 120 and len(server._live()) == 120
+        done = [{"session_id": sid, "state": "done", "reward": 1.0} for sid in ids[:-1]]
+        server.heartbeat({"node_id": "n", "load": {"free": 0}, "active": ids[-1:], "events": done})
+        server.heartbeat({"node_id": "n", "load": {"free": 0}, "active": [], "events": [
+            {"session_id": ids[-1], "state": "run"}]})
+        assert [s.session_id for s in server._live()] == [ids[-1]] and len(server._open) == 1
+        assert len(server.sessions) == 120 and server.status()["sessions"] == {"run": 1, "done": 119}
+        assert server.task_status("t29")["sessions"][3]["state"] == "run"
+    finally:
+        server.stop()
+
+
 def test_a_git_workspace_is_checked_out_at_its_commit(tmp_path):
     from polar_mitm.rollout.spec import Workspace
     repo = tmp_path / "repo"

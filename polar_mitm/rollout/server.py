@@ -60,6 +60,7 @@ class TaskState:
     callback_tries: int = 0
     cancel_reason: str | None = None
     latest: dict[int, str] = field(default_factory=dict)     # sample -> its current session id
+    attempts: list[str] = field(default_factory=list)        # every session id, in order made
 
     def row(self) -> store.TaskRow:
         return store.TaskRow(task_id=self.spec.task_id, spec=self.spec.to_json(), state=self.state,
@@ -88,6 +89,9 @@ class RolloutServer:
         self._flush_lock = threading.Lock()
         self.tasks: dict[str, TaskState] = {}
         self.sessions: dict[str, SessionState] = {}
+        # Those not finished yet (a finished one never runs again: a retry is a new session):
+        # what heartbeats and the reaper look through, however many a long run has finished.
+        self._open: dict[str, SessionState] = {}
         self.nodes: dict[str, NodeState] = {}
         self._dirty_tasks: set[str] = set()
         self._dirty_sessions: set[str] = set()
@@ -134,8 +138,7 @@ class RolloutServer:
             for r in sessions:
                 s = SessionState(r["session_id"], r["task_id"], r["sample"], r["attempt"], r["state"],
                                  r["node_id"], r["reward"], r["reason"], r["stats"], assigned_at=now)
-                self.sessions[s.session_id] = s
-                self.tasks[s.task_id].latest[s.sample] = s.session_id
+                self._add(s, self.tasks[s.task_id])
                 if s.state in NODE_STATES and s.node_id:
                     # Its node gets node_timeout to report back before the session moves.
                     self.nodes.setdefault(s.node_id, NodeState(s.node_id, now, now))
@@ -154,8 +157,7 @@ class RolloutServer:
             ids = []
             for i, sid in enumerate(spec.session_ids()):
                 s = SessionState(sid, spec.task_id, i)
-                self.sessions[sid] = s
-                ts.latest[i] = sid
+                self._add(s, ts)
                 self._event(s, "pending", None)
                 ids.append(sid)
         self.flush()
@@ -247,7 +249,7 @@ class RolloutServer:
         cancel = [sid for sid in active
                   if sid not in self.sessions or self.sessions[sid].node_id != node_id
                   or self.sessions[sid].state in TERMINAL or self.sessions[sid].cancel]
-        for s in list(self.sessions.values()):
+        for s in self._live():
             if (s.node_id == node_id and s.state in NODE_STATES and s.session_id not in active
                     and s.session_id not in reported and s.assigned_at < node.previous_seen):
                 self._requeue(s, f"node {node_id} no longer holds it")
@@ -279,7 +281,7 @@ class RolloutServer:
     def _assign(self, node: NodeState, free: int) -> list[dict]:
         if free <= 0:
             return []
-        pending = [s for s in self.sessions.values() if s.state == "pending" and not s.cancel]
+        pending = [s for s in self._live() if s.state == "pending" and not s.cancel]
         pending.sort(key=lambda s: (-self.tasks[s.task_id].spec.priority, self.tasks[s.task_id].order, s.sample))
         out = []
         for s in pending[:free]:
@@ -316,13 +318,30 @@ class RolloutServer:
             self._event(s, s.state, s.reason)
             return
         n = SessionState(f"{ts.spec.task_id}~{s.sample}.r{s.attempt + 1}", s.task_id, s.sample, s.attempt + 1)
-        self.sessions[n.session_id] = n
-        ts.latest[s.sample] = n.session_id
+        self._add(n, ts)
         self._event(n, "pending", f"retry of {s.session_id}")
 
     # -- tasks -----------------------------------------------------------------------
     def _task_sessions(self, task_id: str) -> list[str]:
-        return [sid for sid, s in self.sessions.items() if s.task_id == task_id]
+        return list(self.tasks[task_id].attempts)
+
+    def _add(self, s: SessionState, ts: TaskState) -> None:
+        """A new session (or attempt), now the current one of its sample."""
+        self.sessions[s.session_id] = s
+        ts.latest[s.sample] = s.session_id
+        ts.attempts.append(s.session_id)
+        if s.state not in TERMINAL:
+            self._open[s.session_id] = s
+
+    def _live(self) -> list[SessionState]:
+        """The sessions not finished, dropping from _open those that finished since."""
+        live = []
+        for sid, s in list(self._open.items()):
+            if s.state in TERMINAL:
+                del self._open[sid]
+            else:
+                live.append(s)
+        return live
 
     def _stop_stragglers(self, ts: TaskState, reason: str) -> None:
         for sid in ts.latest.values():
@@ -376,7 +395,7 @@ class RolloutServer:
                     node.lost = True
                     reason = f"node {node.node_id} lost: no heartbeat for {now - node.last_seen:.0f}s"
                     self._task_event(None, "node_lost", node.node_id, reason)
-                    for s in list(self.sessions.values()):
+                    for s in self._live():
                         if s.node_id == node.node_id and s.state in NODE_STATES:
                             if s.cancel:
                                 s.state, s.reason = "cancelled", self.tasks[s.task_id].cancel_reason

@@ -424,3 +424,30 @@ def test_a_session_deleted_by_another_process_comes_back_with_its_next_call(tmp_
     finally:
         w.close()
     assert query(db, "SELECT session_id, task_id FROM sessions")[1] == [("task-a~1", "task-a")]
+
+
+def test_a_row_group_past_group_bytes_goes_to_the_tail_a_load_bytes_at_a_time(tmp_path, monkeypatch):
+    """2048 lines of more than GROUP_BYTES do not load whole: they went to the part-filled
+    tail in one load of GROUP_BYTES, more than a tail load's memory is made for (it ran out
+    of memory in the bench). Now the tail gets them LOAD_BYTES at a time."""
+    monkeypatch.setattr(writer_module, "GROUP_BYTES", 1 << 20)
+    monkeypatch.setattr(writer_module, "LOAD_BYTES", 64 << 10)
+    db = tmp_path / "a.duckdb"
+    w = CallWriter(db, load_interval=3600).start()
+    w.idle_release = 3600
+    rows = writer_module.ROW_GROUP_ROWS
+    try:
+        futs = [w.submit({"session_id": f"s~{i}"}, record(i, request_text="x" * 1000 + str(i)))
+                for i in range(rows + 10)]
+        assert [f.result(30) for f in futs] == [1] * (rows + 10)
+        deadline = time.monotonic() + 30
+        while w.loads == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert w.load_errors == 0 and w.loads == 1
+        loaded = rows + 10 - w.pending_lines
+        assert 0 < loaded * 1000 <= 64 << 10       # one LOAD_BYTES of lines, not GROUP_BYTES
+    finally:
+        w.close()
+    assert query(db, "SELECT count(*) FROM call_records")[1] == [(rows + 10,)]
+    assert w.load_errors == 0

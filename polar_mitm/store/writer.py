@@ -62,7 +62,9 @@ LOADER_MEMORY = 60 << 20
 CSV_BUFFER = 4 << 20
 IDLE_MEMORY = 8 << 20   # DuckDB's memory_limit between loads (see _shrink)
 LOAD_BYTES = 8 << 20    # of log lines read at a time, and per load of a part-filled row group
-GROUP_BYTES = 64 << 20  # per whole-row-group load: past it, the group goes in smaller loads
+# per whole-row-group load: past it, the group goes in smaller loads (2048 lines of a bench
+# window of new sessions, each first call whole, came to ~75 MB)
+GROUP_BYTES = 128 << 20
 # What a line may be refused for: its data. Anything else (out of memory, I/O) fails the
 # whole load, which is retried later with every line intact.
 _DATA_ERRORS = (duckdb.ConversionException, duckdb.InvalidInputException,
@@ -331,6 +333,24 @@ class CallWriter:
             except Exception:
                 log.exception("polar: closing the database failed")
 
+    def _read(self, target: Position, max_lines: int | None, max_bytes: int) -> tuple[_LoadFile, Position]:
+        """The log lines of one load, in the scratch file, and the position after them."""
+        directory = log_dir(self.db_path)
+        batch = _LoadFile(directory / LOAD_FILE)
+        pos = self._position
+        try:
+            while pos < target and batch.lines != max_lines and batch.bytes < max_bytes:
+                want = None if max_lines is None else max_lines - batch.lines
+                lines, nxt = read_lines(directory, pos, max_bytes=min(LOAD_BYTES, max_bytes - batch.bytes),
+                                        end=target, max_lines=want)
+                if nxt == pos:
+                    break
+                batch.add(lines, self._ack_ms)
+                pos = nxt
+        finally:
+            batch.close()
+        return batch, pos
+
     def _shrink(self) -> None:
         """Between loads DuckDB would keep what a load used, cached up to its memory_limit
         (measured: ~75 MB after a whole row group, every load on top of the proxy's own
@@ -383,20 +403,12 @@ class CallWriter:
         checkpointed in memory). Measured on the bench's log lines: 0.3 ms of CPU per call
         in whole groups, 1.0 in loads of 300 into a part-filled row group, which DuckDB
         rewrites at every checkpoint and needs in memory to append to."""
-        directory = log_dir(self.db_path)
-        batch = _LoadFile(directory / LOAD_FILE)
-        pos = self._position
-        try:
-            while pos < target and batch.lines != max_lines and batch.bytes < max_bytes:
-                want = None if max_lines is None else max_lines - batch.lines
-                lines, nxt = read_lines(directory, pos, max_bytes=min(LOAD_BYTES, max_bytes - batch.bytes),
-                                        end=target, max_lines=want)
-                if nxt == pos:
-                    break
-                batch.add(lines, self._ack_ms)
-                pos = nxt
-        finally:
-            batch.close()
+        batch, pos = self._read(target, max_lines, max_bytes)
+        if max_lines is not None and not batch.whole and batch.bytes > LOAD_BYTES:
+            # A row group's lines past GROUP_BYTES: they go to the tail LOAD_BYTES at a time,
+            # the size its memory is made for (64 MB of them in one load ran out of it).
+            self._ack_ms.update(batch.acks)
+            batch, pos = self._read(target, None, LOAD_BYTES)
         if pos == self._position:
             raise RuntimeError(f"the call log cannot be read past {pos.encode()}")
         # a whole row group is in memory until it is written: measured, 64 MB of lines
@@ -424,7 +436,7 @@ class CallWriter:
         self._position = pos
         self._loaded_lines += batch.lines
         self.loads += 1
-        drop_loaded(directory, pos, keep_from=self._log.seg if self._log else pos.seg)
+        drop_loaded(log_dir(self.db_path), pos, keep_from=self._log.seg if self._log else pos.seg)
         return batch.lines
 
 

@@ -35,6 +35,11 @@ def _alive(token: str) -> list[int]:
     return out
 
 
+def _token() -> str:
+    """Digits for a sleep's argument that no other test's `pgrep -f "sleep 300"` matches."""
+    return f"86{random.randrange(10_000, 99_999)}"
+
+
 def _until(pred, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -54,7 +59,7 @@ def _parent(script: str, tmp_path: Path) -> subprocess.Popen:
 
 
 def test_a_killed_parent_stops_its_services_with_sigterm_first(tmp_path):
-    n = random.randrange(10_000, 99_999)
+    n = _token()
     flag = tmp_path / "got-sigterm"
     parent = _parent(f"""
         import sys, time
@@ -81,7 +86,7 @@ def test_a_killed_parent_stops_its_services_with_sigterm_first(tmp_path):
 def test_a_killed_node_ends_every_process_of_its_sandboxes(tmp_path):
     """The harness leader dies with its parent (PDEATHSIG), but its tool processes do not:
     one in the harness's process group and one that left it (setsid)."""
-    n = random.randrange(10_000, 99_999)
+    n = _token()
     parent = _parent(f"""
         import os, threading, time
         from polar_mitm.rollout.runtime import LocalRuntime
@@ -107,7 +112,7 @@ def test_a_killed_node_ends_every_process_of_its_sandboxes(tmp_path):
 
 def test_a_group_stopped_by_its_owner_is_forgotten():
     """A group the parent stopped itself is not signalled later (its pgid may be reused)."""
-    n = random.randrange(10_000, 99_999)
+    n = _token()
     j = Janitor()
     kept = subprocess.Popen(["sleep", f"{n}1"], start_new_session=True)
     ended = subprocess.Popen(["sleep", f"{n}2"], start_new_session=True)
@@ -122,5 +127,6 @@ def test_a_group_stopped_by_its_owner_is_forgotten():
         assert ended.returncode == -signal.SIGTERM
         assert kept.poll() is None
     finally:
-        kept.kill()
-        ended.kill()
+        for p in (kept, ended):   # reaped: a zombie still shows in `pgrep -f`
+            p.kill()
+            p.wait()

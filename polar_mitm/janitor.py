@@ -155,7 +155,8 @@ def kill_marked(prefix: str | list[str], born: float = 0.0) -> None:
             return
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the group lives (a zombie still counts)."""
     try:
         os.killpg(pgid, 0)
         return True
@@ -169,7 +170,7 @@ def end_groups(groups: dict[int, int], grace: float = GRACE_S) -> None:
     pgid is not reused while any process of the group lives)."""
     ours = [g for g, start in groups.items() if start_ticks(g) in (0, start)]
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-        live = [g for g in ours if _group_alive(g)]
+        live = [g for g in ours if group_alive(g)]
         for g in live:
             try:
                 os.killpg(g, sig)
@@ -178,7 +179,7 @@ def end_groups(groups: dict[int, int], grace: float = GRACE_S) -> None:
         deadline = time.monotonic() + wait
         while live and time.monotonic() < deadline:
             time.sleep(0.1)
-            live = [g for g in live if _group_alive(g)]
+            live = [g for g in live if group_alive(g)]
         if not live:
             return
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from ..janitor import janitor, kill_marked, uptime
+from ..janitor import group_alive, janitor, kill_marked, uptime
 from .netbridge import UnixToTcp, die_with_parent
 from .spec import Workspace
 
@@ -132,7 +132,7 @@ class LocalSandbox:
                 proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 continue
-            if not _group_alive(proc.pid):
+            if not group_alive(proc.pid):
                 break
         kill_marked(f"{SANDBOX_MARK}={self.mark}", self.born)
 
@@ -211,14 +211,6 @@ def _git(argv: list[str], what: str) -> None:
                           env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
     if done.returncode != 0:
         raise SetupError(f"{what} failed: {done.stderr.strip()[-500:]}")
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 def _tail(path: Path, limit: int = 4000) -> str:

@@ -324,7 +324,7 @@ class CallWriter:
         """Close the file (DuckDB checkpoints on close), so another process can open it."""
         self._memory, self._memory_boost = 0, 0   # settings of the connection that goes
         # Whoever opens the file next may change the sessions table (a cleanup that deletes
-        # sessions): the next load looks again rather than trust what this one saw.
+        # sessions), and a failed load's sessions may not be in: the next load looks again.
         self._known_sessions.clear()
         if self._con is not None:
             con, self._con = self._con, None
@@ -422,7 +422,6 @@ class CallWriter:
             if not batch.whole:
                 self._con.execute("CHECKPOINT")
         except BaseException as e:
-            self._known_sessions.clear()   # those of the failed load may not be in
             self._ack_ms.update(batch.acks)   # the retry stamps them again
             boost = self._memory_boost
             self._release()

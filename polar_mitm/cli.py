@@ -181,7 +181,7 @@ def demo(db, backend, max_tokens):
 
     _stop_on_sigterm()
     work = Path(tempfile.mkdtemp(prefix="polar-demo-"))
-    port, reverse_port = launch.free_port(), launch.free_port()
+    port, reverse_port = launch.free_ports(2)
     services, backend = _start_stack(db, backend, port, reverse_port, work / "mitmproxy", work, 8192)
     try:
         click.echo("driving the official SDKs through the proxy (HTTPS_PROXY and base URL)")

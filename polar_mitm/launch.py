@@ -21,9 +21,20 @@ ADDON_FILE = PACKAGE_DIR / "addons" / "polar_addon.py"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports. The sockets stay bound until all are picked: closed one at a time,
+    the kernel may hand the same port out twice (mitmdump then refuses two modes on one address)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def vllm_python() -> str:

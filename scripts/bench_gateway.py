@@ -176,7 +176,7 @@ class Fake:
 
 def start_plain(backend: str, work: Path, flow_detail: int | None) -> tuple[launch.Service, int]:
     """mitmdump with the same modes and mitmproxy options as launch.start_proxy, no addon."""
-    port, rp = launch.free_port(), launch.free_port()
+    port, rp = launch.free_ports(2)
     argv = [launch.mitmdump_path(), "--listen-host", HOST, "--mode", f"regular@{port}",
             "--mode", f"reverse:{backend}@{rp}", "--set", f"confdir={work / 'plain-conf'}",
             "--set", "connection_strategy=lazy", "--set", "upstream_cert=false"]
@@ -196,7 +196,7 @@ def start_polar(backend: str, work: Path, flow_detail: int | None) -> tuple[laun
     store = work / "polar-store"
     store.mkdir(parents=True, exist_ok=True)
     db = store / "calls.duckdb"
-    port, rp = launch.free_port(), launch.free_port()
+    port, rp = launch.free_ports(2)
     sets = [f"flow_detail={flow_detail}"] if flow_detail is not None else None
     service = launch.start_proxy(db=db, backend=backend, port=port, confdir=work / "polar-conf",
                                  log_path=work / "polar-mitmdump.log", reverse_port=rp, extra_sets=sets)

@@ -35,7 +35,7 @@ class Proxy:
         self.backend = backend
         self.db = root / db_name
         self.confdir = root / "mitmproxy"
-        self.port, self.reverse_port = launch.free_port(), launch.free_port()
+        self.port, self.reverse_port = launch.free_ports(2)
         self.log = root / "mitmdump.log"
         self.service = launch.start_proxy(db=self.db, backend=backend, port=self.port,
                                           confdir=self.confdir, log_path=self.log,

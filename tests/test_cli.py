@@ -22,7 +22,7 @@ CLI = [sys.executable, "-m", "polar_mitm.cli"]
 
 def test_up_serves_records_and_stops_on_ctrl_c(tmp_path):
     db = tmp_path / "r.duckdb"
-    port, rport = launch.free_port(), launch.free_port()
+    port, rport = launch.free_ports(2)
     with FakeVLLM() as fake:
         p = subprocess.Popen(CLI + ["up", "--db", str(db), "--backend", fake.url, "--port", str(port),
                                     "--reverse-port", str(rport), "--confdir", str(tmp_path / "conf")],
@@ -69,7 +69,7 @@ def test_up_stops_everything_on_sigterm(tmp_path, sig):
     holding the database. Ctrl-C too, when `up` was started with SIGINT ignored, as a script's
     background job is (`nohup ... &`): Python would keep ignoring it. And SIGKILL (the OOM
     killer, kill -9): no handler runs, the janitor stops mitmdump."""
-    port, rport = launch.free_port(), launch.free_port()
+    port, rport = launch.free_ports(2)
     with FakeVLLM() as fake:
         p = subprocess.Popen(CLI + ["up", "--db", str(tmp_path / "r.duckdb"), "--backend", fake.url,
                                     "--port", str(port), "--reverse-port", str(rport),

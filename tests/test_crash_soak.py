@@ -33,7 +33,7 @@ class Soak:
     def __init__(self, root: Path, backend: str, clients: int):
         self.root, self.backend = root, backend
         self.db = root / "soak.duckdb"
-        self.port, self.reverse_port = launch.free_port(), launch.free_port()
+        self.port, self.reverse_port = launch.free_ports(2)
         self.clients = clients
         self.lock = threading.Lock()
         self.attempted: dict[str, str] = {}   # nonce -> session key, every call sent
@@ -51,7 +51,7 @@ class Soak:
             self.service = self._start()
         except (RuntimeError, TimeoutError):
             # the old ports still held somewhere: new ones (clients read them per call)
-            self.port, self.reverse_port = launch.free_port(), launch.free_port()
+            self.port, self.reverse_port = launch.free_ports(2)
             self.service = self._start()
         self.starts += 1
 

@@ -176,9 +176,9 @@ def test_sigkill_keeps_every_acknowledged_call(vllm_backend, start_proxy, tmp_pa
     rows = query(proxy.db, "SELECT seq FROM calls WHERE session_id = 'kill~1' ORDER BY seq")[1]
     assert [r[0] for r in rows] == list(range(1, n + 1))
     # a new proxy on the same file carries on the session's numbering
-    proxy2 = launch.start_proxy(db=proxy.db, backend=vllm_backend, port=launch.free_port(),
-                                confdir=proxy.confdir, log_path=tmp_path / "p2.log",
-                                reverse_port=(rp := launch.free_port()))
+    port, rp = launch.free_ports(2)
+    proxy2 = launch.start_proxy(db=proxy.db, backend=vllm_backend, port=port,
+                                confdir=proxy.confdir, log_path=tmp_path / "p2.log", reverse_port=rp)
     try:
         oa2 = openai.OpenAI(api_key="polar-kill~1", base_url=f"http://127.0.0.1:{rp}/v1", max_retries=0)
         oa2.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "hi"}])

@@ -129,12 +129,12 @@ def test_mitmdump_refuses_to_run_a_dns_listener(tmp_path):
     """UDP/DNS modes would resolve names with a real name server (here: one on 127.0.0.1):
     with the addon loaded, mitmdump does not start them at all."""
     name_server = Outside(socket.SOCK_DGRAM)
-    dns_port = launch.free_port()
+    port, dns_port = launch.free_ports(2)
     log = tmp_path / "mitmdump.log"
     with FakeVLLM() as fake:
         proxy = launch.Service("mitmdump", [
             launch.mitmdump_path(), "-s", str(launch.ADDON_FILE), "--listen-host", "127.0.0.1",
-            "--mode", f"regular@{launch.free_port()}", "--mode", f"dns@{dns_port}",
+            "--mode", f"regular@{port}", "--mode", f"dns@{dns_port}",
             "--set", f"confdir={tmp_path / 'conf'}", "--set", f"polar_db={tmp_path / 'c.duckdb'}",
             "--set", f"polar_backend={fake.url}",
             "--set", f"dns_name_servers=127.0.0.1:{name_server.port}"], None, log)

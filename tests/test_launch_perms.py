@@ -52,7 +52,7 @@ def test_proxy_files_are_private(tmp_path):
         db = tmp_path / "data" / "calls.duckdb"
         confdir = tmp_path / "conf"
         log = tmp_path / "logs" / "mitmdump.log"
-        port, rport = launch.free_port(), launch.free_port()
+        port, rport = launch.free_ports(2)
         with FakeVLLM() as fake:
             proxy = launch.start_proxy(db=db, backend=fake.url, port=port, confdir=confdir,
                                        log_path=log, reverse_port=rport)
@@ -81,3 +81,11 @@ def test_proxy_files_are_private(tmp_path):
         assert mode(p) & 0o077 == 0, (p, oct(mode(p)))
     # the harness (same user) still reads the CA certificate it is pointed at
     assert subprocess.run(["cat", str(confdir / "mitmproxy-ca-cert.pem")], capture_output=True).returncode == 0
+
+
+def test_free_ports_are_distinct():
+    """Picked one at a time, two ports can collide (the kernel reuses a just-closed one), and
+    mitmdump then refuses to start: 'Cannot spawn multiple servers on the same address'."""
+    for _ in range(200):
+        ports = launch.free_ports(4)
+        assert len(set(ports)) == 4

@@ -162,6 +162,9 @@ def test_vllm_prompt_ids_are_kept_as_text():
     assert ids == b"[1,2,40000]" and resp["choices"] == answer["choices"]
     assert parse_completion(b'{"prompt_token_ids": [1, 2,\n 3], "x": 1}') == ({"prompt_token_ids": None, "x": 1}, b"[1,2,3]")
     assert parse_completion(b'{"choices": []}') == ({"choices": []}, None)
+    # anything but ids, commas and spaces goes through the full parse
+    assert parse_completion(b'{"prompt_token_ids": [1, "2"]}') == ({"prompt_token_ids": [1, "2"]}, b'[1,"2"]')
+    assert parse_completion(b'{"prompt_token_ids": [1,\t-2]}') == ({"prompt_token_ids": None}, b"[1,-2]")
 
 
 def test_id_counts_carried_from_base_to_base_stay_exact():

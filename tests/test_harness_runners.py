@@ -40,30 +40,46 @@ def tool_results(bodies: list[dict]) -> list[str]:
     return out
 
 
-def short_idle_timeout(name, ctx):
-    """Codex gives up on a stream after stream_idle_timeout_ms without an SSE event (300 s by
-    default; comment lines do not count): 2 s here, shorter than each of its 3.5 s answers."""
+# Harness timers shorter than a SLOW_ANSWER: without keepalives each would fail the call.
+#  - Codex gives up on a stream after stream_idle_timeout_ms without an SSE event (300 s by
+#    default; comment lines do not count).
+#  - Claude Code (API_TIMEOUT_MS) and Qwen Code (QWEN_CODE_API_TIMEOUT_MS) abort a request
+#    whose response headers take longer than their SDK timeout (600 s and 120 s by default).
+#  Claude's own stream idle timers cannot be set below 300 s (max(CLAUDE_STREAM_IDLE_TIMEOUT_MS,
+#  300000)), too long for CI.
+SLOW_ANSWER, SHORT_TIMER = 3.5, 2000
+SHORT_TIMERS = {"codex": ["-c", f"model_providers.polar.stream_idle_timeout_ms={SHORT_TIMER}",
+                          "-c", "model_providers.polar.stream_max_retries=0",
+                          "-c", "model_providers.polar.request_max_retries=0"],
+                "claude": {"API_TIMEOUT_MS": str(SHORT_TIMER), "CLAUDE_CODE_MAX_RETRIES": "0"},
+                "qwen": {"QWEN_CODE_API_TIMEOUT_MS": str(SHORT_TIMER)}}
+
+
+def short_timers(name, ctx):
     launch = harnesses.launch(name, ctx)
-    if name == "codex":
-        launch.argv[1:1] = ["-c", "model_providers.polar.stream_idle_timeout_ms=2000",
-                            "-c", "model_providers.polar.stream_max_retries=0"]
+    extra = SHORT_TIMERS.get(name)
+    if isinstance(extra, list):
+        launch.argv[1:1] = extra
+    elif extra:
+        launch.env.update(extra)
     return launch
 
 
 @pytest.mark.parametrize("slow", [False, True], ids=["quick", "kept-alive"])
 @pytest.mark.parametrize("name", CLIS)
 def test_cli_completes_a_tool_loop_through_the_proxy(name, slow, scripted, start_proxy, tmp_path):
-    """kept-alive: every completion takes 1.2 s (Codex: 3.5 s), so with a 0.3 s keepalive each
-    streamed answer reaches the CLI as SSE headers, keepalives, then the events."""
+    """kept-alive: every completion takes 1.2 s (3.5 s for the CLIs with SHORT_TIMERS of 2 s), so
+    with a 0.3 s keepalive each streamed answer reaches the CLI as SSE headers, keepalives, then
+    the events."""
     installed(name)
     proxy = start_proxy(scripted.url, extra_sets=["polar_stream_keepalive=0.3"] if slow else None)
-    scripted.delay = (3.5 if name == "codex" else 1.2) if slow else 0.0
+    scripted.delay = (SLOW_ANSWER if name in SHORT_TIMERS else 1.2) if slow else 0.0
     seen = len(scripted.bodies)
     server = RolloutServer(str(proxy.db)).start()
     runtime = LocalRuntime(tmp_path / "sessions", keep=True)
     node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=proxy.port, ca_path=proxy.ca,
                                   db=str(proxy.db), init_workers=1, run_workers=1, post_workers=1),
-                       runtime=runtime, launcher=short_idle_timeout if slow else harnesses.launch).start()
+                       runtime=runtime, launcher=short_timers if slow else harnesses.launch).start()
     try:
         task = f"loop-{name}"
         server.submit({"task_id": task, "harness": name, "timeout": 240,
@@ -98,3 +114,34 @@ def test_cli_completes_a_tool_loop_through_the_proxy(name, slow, scripted, start
     _, rows = query(proxy.db, "SELECT list(state ORDER BY event_at) FROM rollout_events WHERE session_id = ?", [sid])
     assert rows[0][0][:1] == ["pending"] and rows[0][0][-1] == "done"
     assert {"assigned", "init", "ready", "run", "post_run"} <= set(rows[0][0])
+
+
+@pytest.mark.parametrize("name", ["claude", "qwen"])
+def test_the_short_timers_fire_without_keepalives(name, scripted, start_proxy, tmp_path):
+    """The control for the kept-alive runs: the same timers and answers with keepalives off, and
+    the CLI gives up (the timers are real, so the keepalives are what kept those runs alive).
+    Codex's idle timer starts only once headers arrive, so an answer sent whole never trips it:
+    its kept-alive run is the check (headers at once, then events no more than 2 s apart)."""
+    installed(name)
+    proxy = start_proxy(scripted.url, extra_sets=["polar_stream_keepalive=0"])
+    scripted.delay = SLOW_ANSWER
+    seen = len(scripted.bodies)
+    server = RolloutServer(str(proxy.db)).start()
+    runtime = LocalRuntime(tmp_path / "sessions", keep=True)
+    node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=proxy.port, ca_path=proxy.ca,
+                                  db=str(proxy.db), init_workers=1, run_workers=1, post_workers=1),
+                       runtime=runtime, launcher=short_timers).start()
+    try:
+        task = f"timer-{name}"
+        server.submit({"task_id": task, "harness": name, "timeout": 120,
+                       "instruction": "Run the shell command 'echo hi' and tell me what it printed.",
+                       "evaluator": f"grep -q {MARKER} polar_proof.txt"})
+        assert server.wait([task], timeout=180)
+        s = server.group(task)["sessions"][0]
+    finally:
+        node.stop()
+        server.stop()
+        scripted.delay = 0.0
+    assert s["reward"] != 1.0, s     # it never got to run the tool
+    assert len(scripted.bodies) > seen, "the CLI never asked"
+    assert not any(MARKER in r for r in tool_results(scripted.bodies[seen:])), "a call got through"

@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_gateway.py [--concurrency 1,8,64] [--sessions 1] [--turns 20]
                                               [--style mix] [--soak 600] [--out FILE.json]
+                                              [--polar-set polar_OPTION=VALUE ...]
 
 Three configurations, the same client code and the same bodies:
   direct  clients -> fake provider server (scripts/workload.py, its own process, instant answers)
@@ -192,12 +193,13 @@ def start_plain(backend: str, work: Path, flow_detail: int | None) -> tuple[laun
     return service, rp
 
 
-def start_polar(backend: str, work: Path, flow_detail: int | None) -> tuple[launch.Service, int, int, Path]:
+def start_polar(backend: str, work: Path, flow_detail: int | None,
+                polar_sets: list[str]) -> tuple[launch.Service, int, int, Path]:
     store = work / "polar-store"
     store.mkdir(parents=True, exist_ok=True)
     db = store / "calls.duckdb"
     port, rp = launch.free_ports(2)
-    sets = [f"flow_detail={flow_detail}"] if flow_detail is not None else None
+    sets = ([f"flow_detail={flow_detail}"] if flow_detail is not None else []) + polar_sets
     service = launch.start_proxy(db=db, backend=backend, port=port, confdir=work / "polar-conf",
                                  log_path=work / "polar-mitmdump.log", reverse_port=rp, extra_sets=sets)
     return service, port, rp, db
@@ -272,7 +274,8 @@ class Bench:
         self.fake = Fake(self.work / "fake.log")
         self.plain, plain_rp = start_plain(self.fake.url, self.work, self.args.flow_detail)
         self.polar, self.polar_port, polar_rp, self.db = start_polar(self.fake.url, self.work,
-                                                                      self.args.flow_detail)
+                                                                      self.args.flow_detail,
+                                                                      self.args.polar_set)
         self.ports = {"direct": self.fake.port, "plain": plain_rp, "polar": polar_rp}
         self.proc = {"direct": None, "plain": self.plain.proc.pid, "polar": self.polar.proc.pid}
         self.servers = [self.fake.proc.pid, self.plain.proc.pid, self.polar.proc.pid]
@@ -561,6 +564,8 @@ def main(argv=None):
     ap.add_argument("--flow-detail", type=int, default=None,
                     help="mitmproxy flow_detail for both mitmdumps (default: mitmdump's own, as "
                          "polar-mitm up runs it)")
+    ap.add_argument("--polar-set", action="append", default=[], metavar="OPTION=VALUE",
+                    help="a polar_* option for polar's mitmdump (repeatable), e.g. polar_max_concurrency=32")
     ap.add_argument("--workdir", help="where the proxies keep their files (default: a new temp dir)")
     ap.add_argument("--out", help="raw results as JSON (default: /tmp/polar-bench-gateway-<time>.json)")
     args = ap.parse_args(argv)

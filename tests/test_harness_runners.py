@@ -65,6 +65,27 @@ def short_timers(name, ctx):
     return launch
 
 
+def run_task(proxy, tmp_path, task: str, name: str, launcher, timeout: int) -> tuple[dict, str]:
+    """One sample of a task, run by a gateway node with `name`'s runner through the proxy:
+    its session, and the tail of its logs."""
+    server = RolloutServer(str(proxy.db)).start()
+    runtime = LocalRuntime(tmp_path / "sessions", keep=True)
+    node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=proxy.port, ca_path=proxy.ca,
+                                  db=str(proxy.db), init_workers=1, run_workers=1, post_workers=1),
+                       runtime=runtime, launcher=launcher).start()
+    try:
+        server.submit({"task_id": task, "harness": name, "timeout": timeout,
+                       "instruction": "Run the shell command 'echo hi' and tell me what it printed.",
+                       "evaluator": f"grep -q {MARKER} polar_proof.txt"})
+        assert server.wait([task], timeout=timeout + 60)
+        session = server.group(task)["sessions"][0]
+    finally:
+        node.stop()
+        server.stop()
+    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in runtime.base.glob("*/logs/*.log"))
+    return session, logs
+
+
 @pytest.mark.parametrize("slow", [False, True], ids=["quick", "kept-alive"])
 @pytest.mark.parametrize("name", CLIS)
 def test_cli_completes_a_tool_loop_through_the_proxy(name, slow, scripted, start_proxy, tmp_path):
@@ -75,25 +96,13 @@ def test_cli_completes_a_tool_loop_through_the_proxy(name, slow, scripted, start
     proxy = start_proxy(scripted.url, extra_sets=["polar_stream_keepalive=0.3"] if slow else None)
     scripted.delay = (SLOW_ANSWER if name in SHORT_TIMERS else 1.2) if slow else 0.0
     seen = len(scripted.bodies)
-    server = RolloutServer(str(proxy.db)).start()
-    runtime = LocalRuntime(tmp_path / "sessions", keep=True)
-    node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=proxy.port, ca_path=proxy.ca,
-                                  db=str(proxy.db), init_workers=1, run_workers=1, post_workers=1),
-                       runtime=runtime, launcher=short_timers if slow else harnesses.launch).start()
+    task = f"loop-{name}"
     try:
-        task = f"loop-{name}"
-        server.submit({"task_id": task, "harness": name, "timeout": 240,
-                       "instruction": "Run the shell command 'echo hi' and tell me what it printed.",
-                       "evaluator": f"grep -q {MARKER} polar_proof.txt"})
-        assert server.wait([task], timeout=300)
-        s = server.group(task)["sessions"][0]
-        logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in runtime.base.glob("*/logs/*.log"))
-        assert s["state"] == "done" and s["reward"] == 1.0, f"{s}\n{logs}"
-        health = httpx.get("http://polar.health/_polar/health", proxy=proxy.proxy_url(), trust_env=False).json()
+        s, logs = run_task(proxy, tmp_path, task, name, short_timers if slow else harnesses.launch, 240)
     finally:
-        node.stop()
-        server.stop()
         scripted.delay = 0.0
+    assert s["state"] == "done" and s["reward"] == 1.0, f"{s}\n{logs}"
+    health = httpx.get("http://polar.health/_polar/health", proxy=proxy.proxy_url(), trust_env=False).json()
     assert (health["streams_kept_alive"] >= 2) if slow else (health["streams_kept_alive"] == 0), health
     sid = f"{task}~0"
     bodies = scripted.bodies[seen:]
@@ -126,21 +135,9 @@ def test_the_short_timers_fire_without_keepalives(name, scripted, start_proxy, t
     proxy = start_proxy(scripted.url, extra_sets=["polar_stream_keepalive=0"])
     scripted.delay = SLOW_ANSWER
     seen = len(scripted.bodies)
-    server = RolloutServer(str(proxy.db)).start()
-    runtime = LocalRuntime(tmp_path / "sessions", keep=True)
-    node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=proxy.port, ca_path=proxy.ca,
-                                  db=str(proxy.db), init_workers=1, run_workers=1, post_workers=1),
-                       runtime=runtime, launcher=short_timers).start()
     try:
-        task = f"timer-{name}"
-        server.submit({"task_id": task, "harness": name, "timeout": 120,
-                       "instruction": "Run the shell command 'echo hi' and tell me what it printed.",
-                       "evaluator": f"grep -q {MARKER} polar_proof.txt"})
-        assert server.wait([task], timeout=180)
-        s = server.group(task)["sessions"][0]
+        s, _ = run_task(proxy, tmp_path, f"timer-{name}", name, short_timers, 120)
     finally:
-        node.stop()
-        server.stop()
         scripted.delay = 0.0
     assert s["reward"] != 1.0, s     # it never got to run the tool
     assert len(scripted.bodies) > seen, "the CLI never asked"

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,21 +21,34 @@ TEMPLATES = PACKAGE_DIR / "templates"
 ADDON_FILE = PACKAGE_DIR / "addons" / "polar_addon.py"
 
 
+# Ports this process has handed out: a later pick never repeats one, even after the first
+# pick's socket closed (the kernel may hand a just-closed port out again, and two services
+# then race for it: the demo's vLLM and proxy, or mitmdump's two modes on one address).
+_HANDED_OUT: set[int] = set()
+_PICKING = threading.Lock()
+
+
 def free_port() -> int:
     return free_ports(1)[0]
 
 
 def free_ports(n: int) -> list[int]:
-    """n distinct free ports. The sockets stay bound until all are picked: closed one at a time,
-    the kernel may hand the same port out twice (mitmdump then refuses two modes on one address)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """n free ports, distinct from each other and from every port picked before in this
+    process. Sockets stay bound until all are picked, so none comes back twice."""
+    socks: list[socket.socket] = []
+    ports: list[int] = []
+    with _PICKING:
+        try:
+            while len(ports) < n:
+                socks.append(s := socket.socket())
+                s.bind(("127.0.0.1", 0))
+                if (port := s.getsockname()[1]) not in _HANDED_OUT:
+                    ports.append(port)
+            _HANDED_OUT.update(ports)
+            return ports
+        finally:
+            for s in socks:
+                s.close()
 
 
 def vllm_python() -> str:

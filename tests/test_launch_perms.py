@@ -85,7 +85,10 @@ def test_proxy_files_are_private(tmp_path):
 
 def test_free_ports_are_distinct():
     """Picked one at a time, two ports can collide (the kernel reuses a just-closed one), and
-    mitmdump then refuses to start: 'Cannot spawn multiple servers on the same address'."""
+    mitmdump then refuses to start: 'Cannot spawn multiple servers on the same address'. The
+    demo picks vLLM's port after the proxy's, so later picks must not repeat earlier ones."""
     for _ in range(200):
         ports = launch.free_ports(4)
         assert len(set(ports)) == 4
+    singles = [launch.free_port() for _ in range(300)]
+    assert len(set(singles)) == 300

@@ -164,6 +164,7 @@ def test_vllm_prompt_ids_are_kept_as_text():
     assert parse_completion(b'{"choices": []}') == ({"choices": []}, None)
     # anything but ids, commas and spaces goes through the full parse
     assert parse_completion(b'{"prompt_token_ids": [1, "2"]}') == ({"prompt_token_ids": [1, "2"]}, b'[1,"2"]')
+    # negative ids and tabs stay on the text path, the spaces dropped
     assert parse_completion(b'{"prompt_token_ids": [1,\t-2]}') == ({"prompt_token_ids": None}, b"[1,-2]")
 
 

@@ -48,20 +48,18 @@ def tool_results(bodies: list[dict]) -> list[str]:
 #  Claude's own stream idle timers cannot be set below 300 s (max(CLAUDE_STREAM_IDLE_TIMEOUT_MS,
 #  300000)), too long for CI.
 SLOW_ANSWER, SHORT_TIMER = 3.5, 2000
-SHORT_TIMERS = {"codex": ["-c", f"model_providers.polar.stream_idle_timeout_ms={SHORT_TIMER}",
-                          "-c", "model_providers.polar.stream_max_retries=0",
-                          "-c", "model_providers.polar.request_max_retries=0"],
-                "claude": {"API_TIMEOUT_MS": str(SHORT_TIMER), "CLAUDE_CODE_MAX_RETRIES": "0"},
-                "qwen": {"QWEN_CODE_API_TIMEOUT_MS": str(SHORT_TIMER)}}
+SHORT_TIMER_ARGS = {"codex": ["-c", f"model_providers.polar.stream_idle_timeout_ms={SHORT_TIMER}",
+                              "-c", "model_providers.polar.stream_max_retries=0",
+                              "-c", "model_providers.polar.request_max_retries=0"]}
+SHORT_TIMER_ENV = {"claude": {"API_TIMEOUT_MS": str(SHORT_TIMER), "CLAUDE_CODE_MAX_RETRIES": "0"},
+                   "qwen": {"QWEN_CODE_API_TIMEOUT_MS": str(SHORT_TIMER)}}
+SHORT_TIMERS = SHORT_TIMER_ARGS.keys() | SHORT_TIMER_ENV.keys()
 
 
 def short_timers(name, ctx):
     launch = harnesses.launch(name, ctx)
-    extra = SHORT_TIMERS.get(name)
-    if isinstance(extra, list):
-        launch.argv[1:1] = extra
-    elif extra:
-        launch.env.update(extra)
+    launch.argv[1:1] = SHORT_TIMER_ARGS.get(name, [])
+    launch.env.update(SHORT_TIMER_ENV.get(name, {}))
     return launch
 
 

@@ -114,6 +114,34 @@ def cpu_s(pids: list[int]) -> float:
     return total / CLK_TCK
 
 
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds of a process tree by thread name (comm): polar names its log and loader
+    threads; the event loop's thread is named after the process (mitmdump)."""
+    out: dict[str, float] = {}
+    for p in process_tree(pid):
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{p}/task/{tid}/comm") as f:
+                    name = f.read().strip()
+                with open(f"/proc/{p}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / CLK_TCK
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def machine_ticks() -> tuple[int, int]:
+    """(idle, all) jiffies of all CPUs since boot (/proc/stat)."""
+    with open("/proc/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    return values[3] + values[4], sum(values[:8])   # idle + iowait; guest time is in user
+
+
 def settle(pids: list[int], timeout: float = 60.0, window: float = 0.5, busy: float = 0.03) -> float:
     """Wait until the processes use under `busy` of a core over `window` seconds; the
     seconds waited (a proxy still working after its clients are done shows here)."""
@@ -315,9 +343,11 @@ class Bench:
         before = self.fake.stats()
         loads0 = polar_health(self.polar_port).get("loads", 0) if cfg == "polar" else 0
         proxy0 = cpu_s([pid]) if pid else 0.0
+        threads0, machine0 = thread_cpu_s(pid) if pid else {}, machine_ticks()
         fake0, self0 = cpu_s([self.fake.proc.pid]), time.process_time()
         records = run_load(self.ports[cfg], sessions, concurrency)
         proxy1 = cpu_s([pid]) if pid else 0.0
+        threads1, machine1 = thread_cpu_s(pid) if pid else {}, machine_ticks()
         fake1, self1 = cpu_s([self.fake.proc.pid]), time.process_time()
         # polar's loader loads whole row groups while calls come, the rest when a reader
         # asks: the calls it left in its log are loaded (and their CPU counted) later
@@ -330,6 +360,8 @@ class Bench:
                 "log_pending": pending, "loads": loads if cfg == "polar" else None,
                 "proxy_cpu_s": proxy1 - proxy0, "proxy_deferred_cpu_s": proxy2 - proxy1,
                 "fake_cpu_s": fake1 - fake0, "client_cpu_s": self1 - self0,
+                "thread_cpu_s": {k: v - threads0.get(k, 0.0) for k, v in threads1.items()},
+                "machine_idle": (machine1[0] - machine0[0]) / max(1, machine1[1] - machine0[1]),
                 "peak_rss_mb": peak_rss_mb(pid) if pid else None, "rss_after_mb": rss_mb(pid) if pid else None,
                 "backend_requests": {k: after.get(k, 0) - before.get(k, 0) for k in after
                                      if after.get(k, 0) != before.get(k, 0) and k != "/_bench/stats"}}
@@ -356,6 +388,9 @@ class Bench:
                                                    if proxied else None),
                    fake_cpu_ms_per_call=sum(p["fake_cpu_s"] for p in parts) * 1000 / ok,
                    client_cpu_ms_per_call=sum(p["client_cpu_s"] for p in parts) * 1000 / ok,
+                   thread_cpu_ms_per_call={k: sum(p["thread_cpu_s"].get(k, 0.0) for p in parts) * 1000 / ok
+                                           for k in {k for p in parts for k in p["thread_cpu_s"]}},
+                   machine_idle=statistics.mean(p["machine_idle"] for p in parts),
                    # the first round's window: later rounds start from RSS kept after 64 clients
                    peak_rss_mb=parts[0]["peak_rss_mb"],
                    peak_rss_max_mb=max(p["peak_rss_mb"] for p in parts) if proxied else None,
@@ -459,6 +494,17 @@ def print_table(by: dict, concs: list[int]) -> None:
           "process tree's CPU while the clients ran, per call; deferred: its CPU per call after the "
           "clients finished, until idle; peak RSS: VmHWM of the mitmdump tree in round 1's window, reset "
           "before it (memory kept from earlier windows counts))")
+    # Where a proxy's CPU goes, and whether the machine had any left: with every core busy,
+    # calls/s (and so latency under load) follow CPU per call.
+    for c in concs:
+        for cfg in ("plain", "polar"):
+            r = by.get((cfg, c))
+            if not r or not r.get("thread_cpu_ms_per_call"):
+                continue
+            threads = sorted(r["thread_cpu_ms_per_call"].items(), key=lambda kv: -kv[1])
+            print(f"{cfg:7s} {c:7d} clients, CPU ms/call by thread: "
+                  + ", ".join(f"{name} {ms:.2f}" for name, ms in threads if ms >= 0.005)
+                  + f"; machine idle {r['machine_idle'] * 100:.0f}% of its {os.cpu_count()} CPUs")
 
 
 def report(bench: Bench, results: list[dict], soak: dict | None, extra: dict) -> bool:

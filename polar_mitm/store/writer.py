@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import fcntl
 import logging
 import os
@@ -69,6 +70,18 @@ GROUP_BYTES = 128 << 20
 # whole load, which is retried later with every line intact.
 _DATA_ERRORS = (duckdb.ConversionException, duckdb.InvalidInputException,
                 duckdb.TypeMismatchException, duckdb.BinderException)
+
+
+_PR_SET_NAME = 15
+
+
+def name_os_thread(name: str) -> None:
+    """Name the calling thread for the OS (/proc/PID/task/TID/comm, top -H), so the CPU
+    of the log and the loader can be told from the event loop's (bench_gateway prints it)."""
+    try:
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass   # not Linux: the names are only a help
 
 
 class CallWriter:
@@ -196,6 +209,7 @@ class CallWriter:
     # ---- the log thread ------------------------------------------------------------------
 
     def _run_log(self) -> None:
+        name_os_thread("polar-log")
         stopping = False
         while not stopping:
             item = self._queue.get()
@@ -271,6 +285,7 @@ class CallWriter:
     # ---- the loader thread ---------------------------------------------------------------
 
     def _run_loader(self) -> None:
+        name_os_thread("polar-loader")
         retry_at, backoff, last_load = 0.0, 0.0, 0.0
         while True:
             self._wake.wait(self.poll)

@@ -451,3 +451,25 @@ def test_a_row_group_past_group_bytes_goes_to_the_tail_a_load_bytes_at_a_time(tm
         w.close()
     assert query(db, "SELECT count(*) FROM call_records")[1] == [(rows + 10,)]
     assert w.load_errors == 0
+
+
+def test_the_loader_spills_next_to_the_database_not_into_the_working_directory(tmp_path, monkeypatch):
+    # The loader's connection is in-memory with the file attached: DuckDB's default spill
+    # directory for that is .tmp in the working directory, which for a proxy is the
+    # harness's project. It was seen created there under the gateway bench.
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "store" / "calls.duckdb"
+    db.parent.mkdir()
+    init_db(db)
+    con = connect(db, row_group_size=writer_module.ROW_GROUP_ROWS)
+    try:
+        assert con.execute("SELECT current_setting('temp_directory')").fetchone()[0] == f"{db}.tmp"
+        con.execute("SET memory_limit = '24MB'")
+        con.execute("SET threads = 1")
+        # an ORDER BY of ~150 MB under a 24 MB limit has to spill
+        assert con.execute("SELECT count(*) FROM (SELECT r, repeat('x', 64) || r::VARCHAR AS s "
+                           "FROM range(1500000) t(r) ORDER BY s DESC)").fetchone() == (1_500_000,)
+        assert os.path.isdir(f"{db}.tmp")   # it did spill (DuckDB removes the directory on close)
+    finally:
+        con.close()
+    assert not (tmp_path / ".tmp").exists()

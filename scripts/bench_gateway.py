@@ -101,17 +101,19 @@ def reset_peak(pid: int) -> bool:
     return ok
 
 
+def _stat_cpu_s(path: str) -> float:
+    """utime + stime of a /proc/.../stat file (a process: all its threads), in seconds;
+    0 if it is gone."""
+    try:
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def cpu_s(pids: list[int]) -> float:
-    total = 0
-    for root in pids:
-        for p in process_tree(root):
-            try:
-                with open(f"/proc/{p}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                total += int(fields[11]) + int(fields[12])   # utime, stime (all threads)
-            except (OSError, IndexError, ValueError):
-                pass
-    return total / CLK_TCK
+    return sum(_stat_cpu_s(f"/proc/{p}/stat") for root in pids for p in process_tree(root))
 
 
 def thread_cpu_s(pid: int) -> dict[str, float]:
@@ -127,11 +129,9 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
             try:
                 with open(f"/proc/{p}/task/{tid}/comm") as f:
                     name = f.read().strip()
-                with open(f"/proc/{p}/task/{tid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / CLK_TCK
-            except (OSError, IndexError, ValueError):
-                pass
+            except OSError:
+                continue
+            out[name] = out.get(name, 0.0) + _stat_cpu_s(f"/proc/{p}/task/{tid}/stat")
     return out
 
 

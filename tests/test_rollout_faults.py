@@ -22,6 +22,7 @@ from polar_mitm.rollout import GatewayNode, NodeConfig, RolloutServer, TaskError
 from polar_mitm.rollout.runtime import LocalRuntime
 from polar_mitm.rollout.spec import parse_reward
 from polar_mitm.store import query
+from procs import alive as _alive, token as _token, until as _until
 from scripted_vllm import ScriptedVLLM
 
 HERE = Path(__file__).parent
@@ -196,34 +197,15 @@ def test_task_requests_are_validated():
 
 def test_teardown_ends_processes_that_left_the_group(tmp_path):
     from polar_mitm.rollout.spec import Workspace
-    # an argument no other process has, so that pgrep finds only this test's sleep
-    seconds = f"300{os.getpid()}{time.monotonic_ns() % 1000:03d}"
+    seconds = _token()   # an argument no other process has
     box = LocalRuntime(tmp_path / "s").prepare("t~0", Workspace())
     r = box.run(["/bin/sh", "-c", f"setsid sleep {seconds} & echo started"], {"PATH": os.environ["PATH"]}, 10, "h")
     assert r.exit_code == 0 and "started" in r.output_tail
-
-    def alive() -> str:
-        # live ones only: a killed process stays a zombie until its new parent reaps it
-        out = subprocess.run(["pgrep", "-f", f"sleep {seconds}"], capture_output=True, text=True).stdout
-        return " ".join(pid for pid in out.split()
-                        if _state(pid) not in ("Z", "X", None))
-
     # SIGKILLed by the run; a process in uninterruptible sleep (paging in on a busy CI
     # disk) dies when it wakes, so allow it that long, never longer
-    deadline = time.monotonic() + 10
-    while alive() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert alive() == "", "a setsid child of the harness survived the run"
+    assert _until(lambda: not _alive(f"sleep {seconds}"), 10), "a setsid child of the harness survived the run"
     box.teardown()
     assert not box.root.exists()
-
-
-def _state(pid: str) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (OSError, IndexError):
-        return None
 
 
 def _start_server(db: Path, port: int, log: Path) -> subprocess.Popen:

@@ -169,7 +169,8 @@ def wait_addon(port: int, service: Service, timeout: float = 20.0) -> None:
         try:
             r = httpx.get(f"http://polar.health{HEALTH_PATH}", proxy=f"http://127.0.0.1:{port}",
                           timeout=5, trust_env=False)
-            if r.status_code == 200 and r.json().get("polar") == "ok":
+            status = r.json().get("polar") if r.status_code == 200 else None
+            if status in ("ok", "degraded"):   # loaded and answering (degraded: see its log)
                 return
             last = f"status {r.status_code}"
         except (httpx.HTTPError, ValueError) as e:

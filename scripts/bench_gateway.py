@@ -2,7 +2,10 @@
 
     .venv/bin/python scripts/bench_gateway.py [--concurrency 1,8,64] [--sessions 1] [--turns 20]
                                               [--style mix] [--soak 600] [--out FILE.json]
+                                              [--workload ordered|out-of-order]
                                               [--polar-set polar_OPTION=VALUE ...]
+    .venv/bin/python scripts/bench_gateway.py --store-load [10000] --concurrency 64 [--workload both]
+                                              [--agents 4-8] [--agent-turns 8]
 
 Three configurations, the same client code and the same bodies:
   direct  clients -> fake provider server (scripts/workload.py, its own process, instant answers)
@@ -25,6 +28,22 @@ loader loads a whole row group into DuckDB while the clients run: the RSS target
 only if one did.
 --soak SECONDS then runs polar alone (--soak-clients, new sessions as old ones finish) and
 prints calls/s, latency, RSS and store size per minute; --concurrency '' runs only the soak.
+
+--workload out-of-order (default ordered, the sessions above) gives each session key 4-8
+(--agents) independent sub-agent conversations of --agent-turns turns (6: bodies 43 -> ~85 KB),
+each with its own system prompt and content, listed together so that clients starting together
+run them at once: a key's turns arrive interleaved, the proxy's log thread rarely finds a
+call's own previous turn among the last calls of its session to delta against, and its call
+log lines are ~100-150 KB instead of ~30 (below --agents' MIN clients nothing interleaves).
+--store-load CALLS replaces the comparison: polar alone at the highest --concurrency, for at
+least CALLS calls per workload (both: ordered, then out-of-order), each through a fresh proxy
+on a fresh database in the work dir. One table, a column per workload: calls/s, CPU per call of
+the loader (polar-loader), the log thread (polar-log) and the event loop, peak RSS (and above
+the idle proxy's), the mean call log line (bytes appended to <db>.log/*.jsonl, each segment's
+size read from a descriptor held open since it appeared, so segments the loader deleted count),
+the log's size on disk, loads and failed loads (/_polar/health), the time of a read while the
+proxy runs (it loads what is pending first) and of one after it stopped, the database's size.
+It exits non-zero if a call or a load failed, or an answered call is missing or duplicated.
 """
 
 from __future__ import annotations
@@ -38,6 +57,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workload  # noqa: E402
 
 from polar_mitm import launch  # noqa: E402
+from polar_mitm.store import calllog, log_dir, query  # noqa: E402
 
 CONFIGS = ("direct", "plain", "polar")
 HOST = "127.0.0.1"
@@ -221,15 +242,16 @@ def start_plain(backend: str, work: Path, flow_detail: int | None) -> tuple[laun
     return service, rp
 
 
-def start_polar(backend: str, work: Path, flow_detail: int | None,
-                polar_sets: list[str]) -> tuple[launch.Service, int, int, Path]:
-    store = work / "polar-store"
+def start_polar(backend: str, work: Path, flow_detail: int | None, polar_sets: list[str],
+                name: str = "polar") -> tuple[launch.Service, int, int, Path]:
+    """polar-mitm on a database of its own: <work>/<name>-store/calls.duckdb."""
+    store = work / f"{name}-store"
     store.mkdir(parents=True, exist_ok=True)
     db = store / "calls.duckdb"
     port, rp = launch.free_ports(2)
     sets = ([f"flow_detail={flow_detail}"] if flow_detail is not None else []) + polar_sets
-    service = launch.start_proxy(db=db, backend=backend, port=port, confdir=work / "polar-conf",
-                                 log_path=work / "polar-mitmdump.log", reverse_port=rp, extra_sets=sets)
+    service = launch.start_proxy(db=db, backend=backend, port=port, confdir=work / f"{name}-conf",
+                                 log_path=work / f"{name}-mitmdump.log", reverse_port=rp, extra_sets=sets)
     return service, port, rp, db
 
 
@@ -298,6 +320,25 @@ class Bench:
         concs = [int(c) for c in args.concurrency.split(",") if c.strip()]
         self.top = (64 if 64 in concs else max(concs)) if concs else None   # the targets' concurrency
 
+    def turns(self, wl: str) -> int:
+        return self.args.turns if wl == "ordered" else self.args.agent_turns
+
+    def session_maker(self, wl: str, prefix: str, first_seed: int):
+        """Conversation i of a workload: ordered, one session per key; out-of-order, the
+        sub-agents of a key consecutive, so clients that start together interleave them."""
+        a = self.args
+        if wl == "ordered":
+            def one(i):
+                style = a.style if a.style != "mix" else workload.STYLES[i % 2]
+                return workload.Session(style, f"polar-{prefix}~{i}", seed=first_seed + i, turns=a.turns)
+            return one
+        return workload.SubAgents(style=a.style, prefix=prefix, turns=a.agent_turns,
+                                  first_seed=first_seed, agents=a.agents)
+
+    def sessions(self, wl: str, n: int, prefix: str, first_seed: int) -> list[workload.Session]:
+        make = self.session_maker(wl, prefix, first_seed)
+        return [make(i) for i in range(n)]
+
     def start(self):
         self.fake = Fake(self.work / "fake.log")
         self.plain, plain_rp = start_plain(self.fake.url, self.work, self.args.flow_detail)
@@ -333,9 +374,9 @@ class Bench:
         if concurrency == self.top:
             # long enough for polar's loader to load a whole row group (2048 calls) while the
             # clients run: its memory and CPU belong in the window the RSS target judges
-            n = max(n, math.ceil(a.top_calls / a.turns))
-        sessions = workload.make_sessions(n, style=a.style, prefix=f"b{self.run_id}-{cfg}-c{concurrency}-r{round_}",
-                                          turns=a.turns, first_seed=concurrency * 1000 + round_ * 100_000)
+            n = max(n, math.ceil(a.top_calls / self.turns(a.workload)))
+        sessions = self.sessions(a.workload, n, f"b{self.run_id}-{cfg}-c{concurrency}-r{round_}",
+                                 concurrency * 1000 + round_ * 100_000)
         pid = self.proc[cfg]
         waited = settle(self.servers)
         if pid:
@@ -415,10 +456,7 @@ class Bench:
         deadline = start + seconds
         prefix = f"soak{self.run_id}"
 
-        def new_session(i):
-            return workload.make_sessions(1, style=self.args.style if self.args.style != "mix"
-                                          else workload.STYLES[i % 2], prefix=f"{prefix}-{i}",
-                                          turns=self.args.turns, first_seed=10**5 + i)[0]
+        new_session = self.session_maker(self.args.workload, prefix, 10**5)
 
         async def sampler():
             while time.perf_counter() < deadline:
@@ -452,6 +490,130 @@ class Bench:
                 "settle_after_s": settle(self.servers), "samples": samples}
 
 
+# ---- the store's loader under load (--store-load) --------------------------------------------
+
+
+class SegmentWatch:
+    """Bytes appended to a call log (<db>.log/NNN.jsonl), however soon the loader deletes
+    loaded segments: each segment is opened as soon as it shows, and its size read from the
+    open file (fstat works after an unlink) once a newer segment exists (the writer appends
+    to its newest only) or at the end. A segment created and deleted between two looks (it
+    would have to fill 32 MB and be loaded within `interval`) shows as a gap in the numbers."""
+
+    def __init__(self, directory: Path, interval: float = 0.05):
+        self.dir, self.interval = directory, interval
+        self.open: dict[int, int] = {}    # segment -> fd
+        self.sizes: dict[int, int] = {}   # finished segments' bytes
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="segment-watch", daemon=True)
+        self._thread.start()
+
+    def _look(self) -> None:
+        ids = calllog.segment_ids(self.dir)
+        for seg in ids:
+            if seg not in self.open and seg not in self.sizes:
+                try:
+                    self.open[seg] = os.open(calllog.segment_path(self.dir, seg), os.O_RDONLY)
+                except FileNotFoundError:
+                    pass
+        for seg in [s for s in self.open if ids and s < ids[-1]]:
+            self._finish(seg)
+
+    def _finish(self, seg: int) -> None:
+        fd = self.open.pop(seg)
+        self.sizes[seg] = os.fstat(fd).st_size
+        os.close(fd)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._look()
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        self._look()
+        for seg in list(self.open):
+            self._finish(seg)
+        seen = sorted(self.sizes)
+        gaps = sorted(set(range(seen[0], seen[-1] + 1)) - set(seen)) if seen else []
+        return {"bytes": sum(self.sizes.values()), "segments": len(seen), "gaps": gaps}
+
+
+def timed_query(db: Path, sql: str) -> tuple[float, list | None, str | None]:
+    """(seconds, the first row, error): a reader as any tool is, through polar_mitm.store."""
+    t0 = time.perf_counter()
+    try:
+        _, rows = query(db, sql, timeout=600)
+        return time.perf_counter() - t0, list(rows[0]), None
+    except Exception as e:   # a failing read is a result here, not a crash of the bench
+        return time.perf_counter() - t0, None, repr(e)[:300]
+
+
+def db_mb(db: Path) -> float:
+    return sum(p.stat().st_size for p in (db, Path(f"{db}.wal")) if p.exists()) / 2**20
+
+
+def store_load(bench: "Bench", wl: str, calls: int, clients: int) -> dict:
+    """One workload through a fresh polar-mitm (its own database) at `clients` clients for at
+    least `calls` calls; then reads the database while the proxy runs and after it stopped."""
+    a = bench.args
+    name = f"store-{wl}-{bench.run_id}"
+    service, port, rp, db = start_polar(bench.fake.url, bench.work, a.flow_detail, a.polar_set, name=name)
+    bench.polar = service   # stopped by Bench.stop if anything below fails
+    pid = service.proc.pid
+    try:
+        settle([bench.fake.proc.pid, pid])
+        idle_mb = rss_mb(pid)
+        reset_peak(pid)
+        n = math.ceil(calls / bench.turns(wl))
+        sessions = bench.sessions(wl, n, f"s{bench.run_id}-{wl}", 200_000 if wl == "ordered" else 300_000)
+        print(f"store load: {wl}, {n} conversations, {clients} clients, database {db} ...",
+              file=sys.stderr, flush=True)
+        watch = SegmentWatch(log_dir(db))
+        threads0 = thread_cpu_s(pid)
+        records = run_load(rp, sessions, clients)
+        threads1 = thread_cpu_s(pid)
+        health1 = polar_health(port)
+        log_end_mb = du_mb(log_dir(db))
+        # a reader makes the proxy load what is pending first: this read's time includes it
+        read_running = timed_query(db, "SELECT count(*), count(DISTINCT call_id) FROM call_records")
+        threads2 = thread_cpu_s(pid)
+        health2 = polar_health(port)
+        peak_mb, log_stop_mb = peak_rss_mb(pid), du_mb(log_dir(db))
+        log = watch.stop()
+    finally:
+        t0 = time.perf_counter()
+        service.stop(timeout=300)
+        stop_s, rc = time.perf_counter() - t0, service.proc.returncode
+        bench.polar = None
+    read_stopped = timed_query(db, "SELECT count(*) FROM calls")
+    _, shape, _ = timed_query(db, "SELECT avg(request_chars), avg((base_call IS NULL)::INT), "
+                                  "avg(length(request_middle)), avg(length(prompt_suffix)) FROM call_records")
+    ok = sum(1 for r in records if r.status == 200 and not r.error)
+    rows = read_running[1][1] if read_running[1] else None
+
+    def per_call(name, t_a, t_b):
+        return (t_b.get(name, 0.0) - t_a.get(name, 0.0)) * 1000 / max(ok, 1)
+
+    res = summarize([records])
+    res.update(workload=wl, clients=clients, conversations=n, keys=len({s.key for s in sessions}), db=str(db),
+               loader_ms_while=per_call("polar-loader", threads0, threads1),
+               loader_ms=per_call("polar-loader", threads0, threads2),
+               log_ms=per_call("polar-log", threads0, threads2),
+               loop_ms=per_call("mitmdump", threads0, threads2),
+               idle_rss_mb=idle_mb, peak_rss_mb=peak_mb, log_bytes=log["bytes"], log_segments=log["segments"],
+               log_gaps=log["gaps"], line_kb=log["bytes"] / rows / 1024 if rows else None,
+               log_end_mb=log_end_mb, log_stop_mb=log_stop_mb, health_end=health1, health=health2,
+               read_running_s=read_running[0], read_running=read_running[1], read_running_error=read_running[2],
+               stop_s=stop_s, stop_rc=rc, read_stopped_s=read_stopped[0],
+               read_stopped=read_stopped[1], read_stopped_error=read_stopped[2], db_mb=db_mb(db),
+               request_kb=shape[0] / 1024 if shape and shape[0] is not None else None,
+               stored_whole=shape[1] if shape else None,
+               middle_kb=shape[2] / 1024 if shape and shape[2] is not None else None,
+               prompt_suffix_kb=shape[3] / 1024 if shape and shape[3] is not None else None)
+    return res
+
+
 def recorded_rows(db: Path) -> str:
     """Rows in the calls table, read with the public CLI after the proxy stopped."""
     exe = Path(sys.executable).parent / "polar-mitm"
@@ -469,6 +631,102 @@ def recorded_rows(db: Path) -> str:
 
 def fmt(v, spec=".1f", none="-"):
     return none if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def store_rows(r: dict) -> list[tuple[str, str]]:
+    """(label, value) of one workload's column in the store-load table."""
+    h, he = r["health"], r["health_end"]
+    counts = "/".join(str(v) for v in r["read_running"]) if r["read_running"] else f"? {r['read_running_error']}"
+    rows = [("conversations (session keys)", f"{r['conversations']} ({r['keys']})"),
+            ("calls answered 200 / failed", f"{r['ok']} / {r['errors']}"),
+            ("calls/s", fmt(r["calls_per_s"])),
+            ("p50 / p99 ms", f"{fmt(r['p50_ms'], '.0f')} / {fmt(r['p99_ms'], '.0f')}"),
+            ("request KB, mean", fmt(r["request_kb"])),
+            ("stored whole (no delta base)", fmt(r["stored_whole"] * 100 if r["stored_whole"] is not None
+                                                 else None, ".0f") + " %"),
+            ("stored request text + prompt ids KB, mean", f"{fmt(r['middle_kb'])} + {fmt(r['prompt_suffix_kb'])}"),
+            ("log line KB, mean", fmt(r["line_kb"])),
+            ("loader CPU ms/call, clients ran", fmt(r["loader_ms_while"], ".2f")),
+            ("loader CPU ms/call, + reader's load", fmt(r["loader_ms"], ".2f")),
+            ("log thread CPU ms/call", fmt(r["log_ms"], ".2f")),
+            ("event loop CPU ms/call", fmt(r["loop_ms"], ".2f")),
+            ("peak RSS MB (above idle)", f"{fmt(r['peak_rss_mb'], '.0f')} "
+                                         f"(+{fmt(r['peak_rss_mb'] - r['idle_rss_mb'], '.0f')})"),
+            ("call log MB on disk, clients done / before stop", f"{fmt(r['log_end_mb'])} / {fmt(r['log_stop_mb'])}"),
+            ("loads / failed (health)", f"{h.get('loads')} / {h.get('load_errors')}"),
+            ("log_pending, clients done / after read", f"{he.get('log_pending')} / {h.get('log_pending')}"),
+            ("read while running s (count/distinct)", f"{r['read_running_s']:.2f} ({counts})"),
+            ("proxy stop s (exit code)", f"{r['stop_s']:.1f} ({r['stop_rc']})"),
+            ("read after stop s (calls)", f"{r['read_stopped_s']:.2f} "
+                                          f"({r['read_stopped'][0] if r['read_stopped'] else r['read_stopped_error']})"),
+            ("database MB", fmt(r["db_mb"]))]
+    if isinstance(h.get("loader"), dict):   # newer proxies say what their loader is doing
+        rows += [("loader state", str(h["loader"].get("state"))),
+                 # its first line: DuckDB's errors go on with advice (the JSON has it whole)
+                 ("loader last_error", (str(h["loader"].get("last_error")).splitlines() or [""])[0][:110])]
+    return rows
+
+
+def store_report(results: list[dict], extra: dict) -> bool:
+    print()
+    print(f"store load: polar only, {results[0]['clients']} clients, each workload on a fresh database")
+    cols = [(r["workload"], dict(store_rows(r))) for r in results]
+    labels = list(dict.fromkeys(k for _, rows in cols for k in rows))
+    width = max(len(k) for k in labels)
+    colw = [max(len(name), *(len(rows.get(k, "-")) for k in labels)) for name, rows in cols]
+    print(f"{'':{width}s}  " + "  ".join(f"{name:>{w}s}" for (name, _), w in zip(cols, colw)))
+    for k in labels:
+        print(f"{k:{width}s}  " + "  ".join(f"{rows.get(k, '-'):>{w}s}" for (_, rows), w in zip(cols, colw)))
+    print("(log line KB: bytes appended to <db>.log/*.jsonl, every segment's size read from a file "
+          "descriptor held open from its creation, so segments the loader deleted count, divided by the "
+          "distinct call_ids read; loader CPU: the polar-loader thread from the clients' start to the end "
+          "of the clients / to the end of the read while running, which loads what was pending; read while "
+          "running: query(db, count(*), count(DISTINCT call_id) FROM call_records) with the proxy up; read "
+          "after stop: query(db, count(*) FROM calls) after SIGTERM)")
+    print()
+    for k, v in extra.items():
+        print(f"{k}: {v}")
+    print()
+    checks: list[tuple[bool, str]] = []
+    for r in results:
+        wl, ok, h = r["workload"], r["ok"], r["health"]
+        counted = r["read_running"] or [None, None]
+        stopped = r["read_stopped"][0] if r["read_stopped"] else None
+        checks += [(r["errors"] == 0, f"{wl}: failed calls: {r['errors']} {r['first_errors']}"),
+                   (h.get("load_errors") == 0, f"{wl}: loads into DuckDB {h.get('loads')}, failed "
+                                               f"{h.get('load_errors')}"),
+                   (counted[0] == counted[1] == ok, f"{wl}: exactly once while running: count(*) {counted[0]} == "
+                                                   f"count(DISTINCT call_id) {counted[1]} == answered {ok}"
+                    + (f" ({r['read_running_error']})" if r["read_running_error"] else "")),
+                   (stopped == ok, f"{wl}: after stop: calls {stopped} == answered {ok}"
+                    + (f" ({r['read_stopped_error']})" if r["read_stopped_error"] else ""))]
+        if r["log_gaps"]:
+            print(f"warn  {wl}: call log segments {r['log_gaps']} were gone before the bench saw them: "
+                  "log line KB is too low")
+    for ok, text in checks:
+        print(f"{'PASS' if ok else 'FAIL'}  {text}")
+    return all(ok for ok, _ in checks)
+
+
+def run_store_load(bench: "Bench", args, clients: int) -> tuple[list[dict], bool]:
+    """--store-load: each workload in turn, on a fresh proxy and database."""
+    workloads = ["ordered", "out-of-order"] if args.workload == "both" else [args.workload]
+    t_start, load_before = time.perf_counter(), os.getloadavg()
+    results = []
+    try:
+        bench.fake = Fake(bench.work / "fake.log")
+        print(f"work dir {bench.work}; fake backend :{bench.fake.port}", file=sys.stderr, flush=True)
+        for wl in workloads:
+            results.append(store_load(bench, wl, args.store_load, clients))
+    finally:
+        bench.stop()
+    extra = {"workloads": f"ordered: one conversation of {args.turns} turns per key; out-of-order: "
+                          f"{args.agents[0]}-{args.agents[1]} sub-agent conversations of {args.agent_turns} "
+                          "turns per key, each with its own system prompt, run at once by different clients",
+             "bench wall time": f"{time.perf_counter() - t_start:.0f} s",
+             "load average (1 min) before / after, on": f"{load_before[0]:.2f} / {os.getloadavg()[0]:.2f}, "
+                                                       f"{os.cpu_count()} CPUs"}
+    return results, store_report(results, extra)
 
 
 def print_table(by: dict, concs: list[int]) -> None:
@@ -516,7 +774,10 @@ def report(bench: Bench, results: list[dict], soak: dict | None, extra: dict) ->
         for t, v in r["body_kb_by_turn"].items():
             kb.setdefault(int(t), []).append(v)
     if kb:
-        print(f"workload: {bench.args.style} sessions of {bench.args.turns} turns, request body "
+        wl = bench.args.workload
+        print(f"workload: {wl}, {bench.args.style} conversations of {bench.turns(wl)} turns"
+              + (f" ({bench.args.agents[0]}-{bench.args.agents[1]} per session key)" if wl != "ordered" else "")
+              + ", request body "
               f"{statistics.fmean(kb[min(kb)]):.0f} KB at turn {min(kb)} -> "
               f"{statistics.fmean(kb[max(kb)]):.0f} KB at turn {max(kb)}")
     if results:
@@ -589,6 +850,14 @@ def report(bench: Bench, results: list[dict], soak: dict | None, extra: dict) ->
     return all(ok for ok, _ in checks)
 
 
+def agents_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    lo, hi = int(lo), int(hi or lo)
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError("MIN-MAX with 1 <= MIN <= MAX")
+    return lo, hi
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", default="1,8,64", help="client counts, comma-separated")
@@ -612,14 +881,34 @@ def main(argv=None):
                          "polar-mitm up runs it)")
     ap.add_argument("--polar-set", action="append", default=[], metavar="OPTION=VALUE",
                     help="a polar_* option for polar's mitmdump (repeatable), e.g. polar_max_concurrency=32")
+    ap.add_argument("--workload", choices=("ordered", "out-of-order", "both"), default="ordered",
+                    help="ordered: one conversation per session key; out-of-order: several sub-agent "
+                         "conversations per key, interleaved (both: only with --store-load)")
+    ap.add_argument("--agents", type=agents_range, default=(4, 8), metavar="MIN-MAX",
+                    help="out-of-order: sub-agent conversations per session key (drawn per key)")
+    ap.add_argument("--agent-turns", type=int, default=6,
+                    help="out-of-order: turns per sub-agent conversation (6: bodies 43 -> ~85 KB, log "
+                         "lines ~150 KB at 64 clients; 8: ~170 KB)")
+    ap.add_argument("--store-load", type=int, nargs="?", const=10_000, default=0, metavar="CALLS",
+                    help="instead of the comparison: polar alone at the highest --concurrency, at least "
+                         "CALLS calls (10000) per workload, each on a fresh database: loader CPU, RSS, "
+                         "log line size, reads, exactly-once")
     ap.add_argument("--workdir", help="where the proxies keep their files (default: a new temp dir)")
     ap.add_argument("--out", help="raw results as JSON (default: /tmp/polar-bench-gateway-<time>.json)")
     args = ap.parse_args(argv)
     concs = [int(c) for c in args.concurrency.split(",") if c.strip()]
     configs = [c for c in CONFIGS if c in args.configs.split(",")]
     out = Path(args.out or f"/tmp/polar-bench-gateway-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    if args.workload == "both" and not args.store_load:
+        ap.error("--workload both needs --store-load (the comparison runs one workload)")
 
     bench = Bench(args)
+    if args.store_load:
+        results, ok = run_store_load(bench, args, max(concs) if concs else 64)
+        out.write_text(json.dumps({"args": vars(args), "store_load": results, "workdir": str(bench.work)},
+                                  indent=1, default=str))
+        print(f"\nraw results: {out}")
+        return 0 if ok else 1
     t_start = time.perf_counter()
     load_before = os.getloadavg()
     results, soak, extra = [], None, {}

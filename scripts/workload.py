@@ -14,6 +14,13 @@ the body reaches ~200 KB by turn 20. Two styles: OpenAI Chat (`/v1/chat/completi
 `Authorization: Bearer`) and Anthropic Messages (`/v1/messages`, key as `x-api-key`, with
 `max_tokens: 32000` like Claude Code). Every session has its own key, `polar-NAME`.
 
+Sub-agents (`SubAgents`, `make_subagent_sessions`): the out-of-order workload. Several (4-8)
+independent conversations share one key, as parallel sub-agents of one harness run do: each
+has its own system prompt (different within its first line) and content, and they are
+listed next to each other, so that concurrent clients run them at once and the key's turns
+arrive interleaved. A store that deltas a call against the last few calls of its session
+then rarely finds its own conversation's previous turn there.
+
 Tokens. `tokenize(text)` is a deterministic hash tokenizer (~4 characters a piece, id = crc32
 of the piece mod 49152, ids 1 and 2 are the chat template's <|im_start|> / <|im_end|>).
 `chat_prompt_ids(messages, tools)` renders a chat (ChatML, tools in the system turn, tool
@@ -324,6 +331,7 @@ class Session:
     seed: int = 0
     turns: int = 20
     nonce: str = ""
+    system: str = ""               # the system prompt; "" is the harness's SYSTEM_PROMPT
     turn: int = 0                  # calls answered so far
     messages: list = field(default_factory=list)
     _results: list = field(default_factory=list)
@@ -332,6 +340,7 @@ class Session:
         if self.style not in STYLES:
             raise ValueError(f"style must be one of {STYLES}")
         rng = random.Random(self.seed * 7919 + 17)
+        self.system = self.system or SYSTEM_PROMPT
         self.nonce = self.nonce or hashlib.sha1(f"{self.key}/{self.seed}/{time.time_ns()}".encode()).hexdigest()[:16]
         first = (f"<session nonce=\"{self.nonce}\" cwd=\"/home/dev/project-{self.seed}\" />\n"
                  f"The test suite fails after my last change. {prose(rng, 1200)}\n"
@@ -345,7 +354,7 @@ class Session:
             else:
                 self._results.append(log_text(rng, n))
         if self.style == "openai":
-            self.messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": first}]
+            self.messages = [{"role": "system", "content": self.system}, {"role": "user", "content": first}]
         else:
             self.messages = [{"role": "user", "content": [{"type": "text", "text": first}]}]
 
@@ -367,7 +376,7 @@ class Session:
     def body(self) -> dict:
         if self.style == "anthropic":
             return {"model": "claude-bench", "max_tokens": 32000,
-                    "system": [{"type": "text", "text": SYSTEM_PROMPT,
+                    "system": [{"type": "text", "text": self.system,
                                 "cache_control": {"type": "ephemeral"}}],
                     "tools": anthropic_tools(), "messages": self.messages,
                     "metadata": {"user_id": f"user_{self.key}"}, "stream": False}
@@ -420,6 +429,49 @@ def make_sessions(n: int, *, style: str = "mix", prefix: str = "bench", turns: i
         s = style if style != "mix" else STYLES[i % 2]
         out.append(Session(s, f"polar-{prefix}~{i}", seed=first_seed + i, turns=turns))
     return out
+
+
+_ROLES = ("explore the code base and report where", "review the last diff for", "write tests for",
+          "find the root cause of", "search the logs for", "plan the refactoring of",
+          "check the build configuration of", "summarize the documentation of")
+
+
+def subagent_prompt(key: str, agent: int, seed: int) -> str:
+    """A sub-agent's own system prompt, as long as the harness's: it differs within its
+    first line (the agent and its role come first), so no two agents share a prefix block."""
+    rng = random.Random(seed * 104729 + agent)
+    return (f"[{key}/agent-{agent}] You are a sub-agent; your task: {rng.choice(_ROLES)} "
+            f"{rng.choice(_MODULES)}. Report back concisely.\n\n" + prose(rng, len(SYSTEM_PROMPT) - 120))
+
+
+class SubAgents:
+    """Conversation i of the out-of-order workload (a callable, for run_clients'
+    new_session too): keys polar-{prefix}~{k}, each shared by `agents` (a range, drawn per
+    key) conversations, consecutive in i; style 'mix' alternates openai/anthropic per key."""
+
+    def __init__(self, *, style: str = "mix", prefix: str = "sub", turns: int = 20,
+                 first_seed: int = 0, agents: tuple[int, int] = (4, 8)):
+        self.style, self.prefix, self.turns, self.first_seed, self.agents = style, prefix, turns, first_seed, agents
+        self._layout: list[tuple[int, int]] = []   # conversation i -> (key index, agent index)
+
+    def layout(self, i: int) -> tuple[int, int]:
+        while len(self._layout) <= i:
+            k = self._layout[-1][0] + 1 if self._layout else 0
+            n = random.Random(self.first_seed * 31 + k).randint(*self.agents)
+            self._layout += [(k, j) for j in range(n)]
+        return self._layout[i]
+
+    def __call__(self, i: int) -> Session:
+        k, j = self.layout(i)
+        style = self.style if self.style != "mix" else STYLES[k % 2]
+        key, seed = f"polar-{self.prefix}~{k}", self.first_seed + i
+        return Session(style, key, seed=seed, turns=self.turns, system=subagent_prompt(key, j, seed))
+
+
+def make_subagent_sessions(n: int, **kw) -> list[Session]:
+    """n conversations of the out-of-order workload (see SubAgents)."""
+    agents = SubAgents(**kw)
+    return [agents(i) for i in range(n)]
 
 
 # ---- the model (deterministic, instant) ---------------------------------------------------

@@ -9,7 +9,8 @@ from polar_mitm.addons.bodies import depth_ok
 from polar_mitm.store import query
 from polar_mitm.store.calllog import LogAppender, Position, log_dir, read_lines
 from polar_mitm.store.db import init_db
-from polar_mitm.store.writer import _dumps, catch_up
+from polar_mitm.store.lines import dumps as _dumps
+from polar_mitm.store.loader import catch_up, claim_log
 
 
 def _walk_ok(value, limit):
@@ -35,6 +36,14 @@ def test_depth_check_in_c_matches_a_walk():
             assert depth_ok(v, limit) == _walk_ok(v, limit)
 
 
+def _own_log(db) -> LogAppender:
+    """A new database and its call log, owned by it as a proxy's is."""
+    init_db(db)
+    log_dir(db).mkdir(mode=0o700)
+    claim_log(log_dir(db), query(db, "SELECT value FROM meta WHERE key = 'db_id'")[1][0][0])
+    return LogAppender(log_dir(db))
+
+
 def _line(sid, call_id, seq, **extra):
     return _dumps({"session_id": sid, "task_id": None}, {
         "call_id": call_id, "seq": seq, "status_code": 200, "base_call": None, "request_prefix": 0,
@@ -45,8 +54,7 @@ def _line(sid, call_id, seq, **extra):
 
 def test_a_line_duckdb_refuses_becomes_a_failed_call_and_the_rest_load(tmp_path):
     db = tmp_path / "a.duckdb"
-    init_db(db)
-    log = LogAppender(log_dir(db))
+    log = _own_log(db)
     log.append(_line("s~1", "a", 1) + _line("s~1", "b", 2, token_ids="not a list")
                + _line("s~2", "c", 1))
     log.close()
@@ -63,12 +71,11 @@ def test_a_line_duckdb_refuses_becomes_a_failed_call_and_the_rest_load(tmp_path)
 
 def test_log_lines_of_the_older_format_are_loaded_whole(tmp_path):
     db = tmp_path / "a.duckdb"
-    init_db(db)
     old = {"s": {"session_id": "t~0", "task_id": "t"},
            "r": {"call_id": "x", "seq": 1, "status_code": 200, "request_text": '{"messages": []}',
                  "prompt_token_ids": [5, 6, 7], "token_ids": [8], "logprobs": [-0.1],
                  "started_at": 1.7e9, "created_at": 1.7e9}}
-    log = LogAppender(log_dir(db))
+    log = _own_log(db)
     log.append(orjson.dumps(old) + b"\n")
     log.close()
     assert catch_up(db) == 1
@@ -114,8 +121,7 @@ def test_read_lines_takes_at_most_max_lines_and_a_long_line_whole(tmp_path):
 def test_a_log_line_of_the_previous_format_still_loads(tmp_path):
     """Lines of format 2 leave out the keys of null columns; they are upgraded as read."""
     db = tmp_path / "a.duckdb"
-    init_db(db)
-    log = LogAppender(log_dir(db))
+    log = _own_log(db)
     log.append(orjson.dumps({"v": 2, "s": {"session_id": "s~1", "task_id": "s"}, "r": {
         "call_id": "a", "seq": 1, "status_code": 200, "request_prefix": 0, "request_suffix": 0,
         "request_middle": "{}", "request_chars": 2, "prompt_shared": 0, "prompt_suffix": "[1,2]",

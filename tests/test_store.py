@@ -12,6 +12,7 @@ import pytest
 from polar_mitm.store import CallWriter, StoreBusy, connect, export_parquet, init_db, log_dir, query, set_reward
 from polar_mitm.store.calllog import segment_ids, segment_path
 from polar_mitm.store import writer as writer_module
+from polar_mitm.store.loader import TAIL, LoaderConfig
 from polar_mitm.store.db import readers_dir, readers_waiting
 from polar_mitm.store.db import schema_version
 from polar_mitm.store.schema import MIGRATIONS
@@ -88,10 +89,9 @@ def test_a_request_line_larger_than_the_base_memory_is_loaded(tmp_path):
     assert query(db, "SELECT request_chars FROM call_records")[1] == [(len(big),)]
 
 
-def test_a_load_out_of_memory_is_retried_with_more(tmp_path, monkeypatch):
-    monkeypatch.setattr(writer_module, "LOADER_MEMORY", -(3 << 20))   # ~1 MB in all: too little
+def test_a_load_out_of_memory_is_retried_with_more(tmp_path):
     db = tmp_path / "a.duckdb"
-    w = CallWriter(db).start()
+    w = CallWriter(db, loader=LoaderConfig(base_memory=-(3 << 20))).start()   # ~1 MB in all: too little
     assert w.submit(SESSION, record(0)).result(10) == 1
     w.close()
     assert w.load_errors >= 1
@@ -123,8 +123,8 @@ def test_calls_load_in_whole_row_groups_written_straight_to_the_file(tmp_path):
     assert settled(100) == (100, 0) and w.loads == 1
     # Until the next load DuckDB runs on a small memory_limit: setting it is what makes DuckDB
     # hand back what its allocator kept of the load (~75 MB; duckdb_memory() does not show it)
-    limit = w._con.cursor().execute("SELECT current_setting('memory_limit')").fetchone()[0]
-    assert limit.endswith("MiB") and float(limit.split()[0]) <= writer_module.IDLE_MEMORY / 2**20
+    limit = w.loader.con.cursor().execute("SELECT current_setting('memory_limit')").fetchone()[0]
+    assert limit.endswith("MiB") and float(limit.split()[0]) <= LoaderConfig().idle_memory / 2**20
     wal = db.with_name(db.name + ".wal")
     assert not wal.exists() or wal.stat().st_size < 256 * 1024   # the rows went to the file itself
     assert query(db, "SELECT count(*), count(DISTINCT call_id) FROM call_records")[1] == [(rows + 100,) * 2]
@@ -133,7 +133,7 @@ def test_calls_load_in_whole_row_groups_written_straight_to_the_file(tmp_path):
     assert settled(50) == (50, 0)
     w.close()
     assert query(db, "SELECT count(*), count(DISTINCT call_id) FROM call_records")[1] == [(2 * rows + 150,) * 2]
-    assert query(db, f"SELECT count(*) FROM {writer_module.TAIL}")[1] == [(150,)]
+    assert query(db, f"SELECT count(*) FROM {TAIL}")[1] == [(150,)]
     groups = query(db, "SELECT row_group_id, max(count) FROM pragma_storage_info('call_records_main') "
                        "WHERE column_name = 'seq' GROUP BY 1 ORDER BY 1")[1]
     assert [n for _, n in groups] == [rows, rows]
@@ -426,14 +426,11 @@ def test_a_session_deleted_by_another_process_comes_back_with_its_next_call(tmp_
     assert query(db, "SELECT session_id, task_id FROM sessions")[1] == [("task-a~1", "task-a")]
 
 
-def test_a_row_group_past_group_bytes_goes_to_the_tail_a_load_bytes_at_a_time(tmp_path, monkeypatch):
-    """2048 lines of more than GROUP_BYTES do not load whole: they went to the part-filled
-    tail in one load of GROUP_BYTES, more than a tail load's memory is made for (it ran out
-    of memory in the bench). Now the tail gets them LOAD_BYTES at a time."""
-    monkeypatch.setattr(writer_module, "GROUP_BYTES", 1 << 20)
-    monkeypatch.setattr(writer_module, "LOAD_BYTES", 64 << 10)
+def test_a_row_group_past_group_bytes_goes_to_the_tail_a_quarter_of_it_at_a_time(tmp_path):
+    """2048 lines of more than group_bytes do not load whole: the tail gets them a quarter
+    of group_bytes at a time, with memory for them."""
     db = tmp_path / "a.duckdb"
-    w = CallWriter(db, load_interval=3600).start()
+    w = CallWriter(db, load_interval=3600, loader=LoaderConfig(group_bytes=1 << 20, read_bytes=64 << 10)).start()
     w.idle_release = 3600
     rows = writer_module.ROW_GROUP_ROWS
     try:
@@ -446,7 +443,7 @@ def test_a_row_group_past_group_bytes_goes_to_the_tail_a_load_bytes_at_a_time(tm
         time.sleep(0.3)
         assert w.load_errors == 0 and w.loads == 1
         loaded = rows + 10 - w.pending_lines
-        assert 0 < loaded * 1000 <= 64 << 10       # one LOAD_BYTES of lines, not GROUP_BYTES
+        assert 64 << 10 < loaded * 1000 <= (1 << 20) // 4 + 2000   # a quarter of group_bytes
     finally:
         w.close()
     assert query(db, "SELECT count(*) FROM call_records")[1] == [(rows + 10,)]

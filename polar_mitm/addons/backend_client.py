@@ -35,6 +35,7 @@ class BackendClient:
         self.served_model: str | None = None
         self.max_model_len: int | None = None           # from the backend's model list
         self._listed = False
+        self.has_tokenize = True   # False once the backend said it has no /tokenize
         self._policy: tuple[float, str | None] = (0.0, None)
         self._refreshing: asyncio.Future | None = None
 
@@ -67,6 +68,7 @@ class BackendClient:
             except ValueError as e:
                 raise exceptions.OptionsError(f"polar_backend: {e}") from None
             self.slots = asyncio.Semaphore(limit) if limit else None
+            self.has_tokenize = True
 
     def done(self):
         self._close()
@@ -90,9 +92,16 @@ class BackendClient:
 
     async def tokenize(self, backend_body: dict) -> int:
         """The prompt's token count from vLLM's /tokenize, rendered as the completion will be."""
+        if not self.has_tokenize:
+            raise backend.BackendError("the model backend has no /tokenize", status=404, kind="not_found")
         keys = ("model", "messages", "tools", "add_generation_prompt", "continue_final_message")
         tok = {k: backend_body[k] for k in keys if k in backend_body}
-        resp = await self._post("/tokenize", tok)
+        try:
+            resp = await self._post("/tokenize", tok)
+        except backend.BackendError as e:
+            if e.status == 404:   # a backend without it (a stand-in): not asked again
+                self.has_tokenize = False
+            raise
         try:
             return int(orjson.loads(resp.content).get("count", 0))
         except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):

@@ -39,14 +39,20 @@ class LocalAnswers:
         req = flow.request
         path, _ = split_path(req.path)
         if path == HEALTH_PATH:  # launchers check that the addon is loaded and answering
+            writer = self.model_calls.writer
+            loader = writer.health() if writer else None
+            # "ok" only while calls also reach the database; a loader that keeps failing
+            # is "degraded" (calls are still acknowledged: they wait, durable, in the log)
+            status = "degraded" if loader and loader["state"] == "failing" else "ok"
             flow.response = http.Response.make(200, orjson.dumps(
-                {"polar": "ok", "db": ctx.options.polar_db, "calls": self.model_calls.calls,
+                {"polar": status, "db": ctx.options.polar_db, "calls": self.model_calls.calls,
                  "streams_kept_alive": self.model_calls.relay.handed_over,
                  # the loader's bulk loads into DuckDB, and those that failed (to be retried)
-                 "loads": writer.loads if (writer := self.model_calls.writer) else 0,
+                 "loads": writer.loads if writer else 0,
                  "load_errors": writer.load_errors if writer else 0,
                  # acknowledged calls still only in the call log (readers get them on asking)
-                 "log_pending": writer.pending_lines if writer else 0}), _JSON)
+                 "log_pending": writer.pending_lines if writer else 0,
+                 "loader": loader}), _JSON)
         elif is_websocket(req):
             # Codex tries Responses-over-WebSocket first and falls back to HTTPS on 404.
             flow.response = http.Response.make(404, b'{"error": "websocket transport not offered"}', _JSON)

@@ -355,7 +355,7 @@ class ModelCalls:
             last_len, last_tokens = self._prompt_sizes[session_id]
             bound = min(bound, last_tokens + max(0, text_len - last_len))
         # an image is a short URL or base64 that renders to many tokens
-        if wanted + bound + TEMPLATE_SLACK <= limit and not has_image(body):
+        if wanted + bound + TEMPLATE_SLACK <= limit and not has_image(body) or not self.backend.has_tokenize:
             return
         try:
             count = await self.backend.tokenize(body)

@@ -136,7 +136,7 @@ def _catch_up_if_orphaned(path: str | os.PathLike, timeout: float) -> None:
     from .calllog import log_dir
     if loader_running(path) or not log_dir(path).exists():
         return
-    from .writer import catch_up
+    from .loader import catch_up
     try:
         catch_up(path, timeout)
     except duckdb.Error:
@@ -226,6 +226,8 @@ def init_db(path: str | os.PathLike, timeout: float = 30.0) -> str:
             return row[0]
         salt = os.urandom(16).hex()
         con.execute("INSERT INTO meta VALUES ('key_salt', ?)", [salt])
+        if fresh:   # which call log is this database's (see loader.owns_log)
+            con.execute("INSERT INTO meta VALUES ('db_id', ?) ON CONFLICT DO NOTHING", [os.urandom(16).hex()])
     if fresh:
         os.chmod(path, 0o600)   # prompts and answers are nobody else's business
     return salt

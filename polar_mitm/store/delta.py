@@ -217,9 +217,12 @@ class DeltaCache:
     Shared parts are found a block at a time (TEXT_BLOCK, IDS_BLOCK), so a delta may
     carry up to a block more than the exact minimum on each side; it is always exact."""
 
-    # 8 MB holds ~700 sessions of 200 KB requests (3 calls each, ~11 KB): far more than run at
+    # 8 MB holds ~260 sessions of 200 KB requests (8 calls each, ~30 KB): more than run at
     # once on one node. Finished sessions only leave by age, so the cache sits at its budget.
-    def __init__(self, budget: int = 8 << 20, per_session: int = 3):
+    # 8 calls, not 3: parallel sub-agents under one session key interleave their turns,
+    # and each needs its own previous call as a base (with 3, half the calls of 4-8
+    # sub-agents were stored whole: 147 KB log lines instead of 30).
+    def __init__(self, budget: int = 8 << 20, per_session: int = 8):
         self.budget = budget
         self.per_session = per_session
         self._sessions: OrderedDict[str, list[_Entry]] = OrderedDict()

@@ -14,10 +14,16 @@ import orjson
 
 
 class FakeVLLM:
-    def __init__(self, mode: str = "ok", delay: float = 0.0, max_model_len: int = 4096):
+    def __init__(self, mode: str = "ok", delay: float = 0.0, max_model_len: int = 4096,
+                 reload_delay: float = 0.0, dev_mode: bool = True):
         self.mode, self.delay, self.max_model_len = mode, delay, max_model_len
         self.bodies: list[dict] = []
         self.tokenized: list[dict] = []   # /tokenize bodies
+        # weights as vLLM's dev-mode endpoints change them: the answer says which served it
+        self.weights, self.reload_delay, self.dev_mode = "base", reload_delay, dev_mode
+        self.served: list[tuple[float, float, str, str]] = []   # (start, end, weights then, weights after)
+        self.reloads: list[tuple[float, float, str]] = []       # (start, end, weights path)
+        self.lock = threading.Lock()
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -43,13 +49,25 @@ class FakeVLLM:
 
             def do_POST(self):
                 body = orjson.loads(self.rfile.read(int(self.headers["content-length"])))
+                if self.path in ("/collective_rpc", "/reset_prefix_cache", "/update_weight_version"):
+                    if not fake.dev_mode:
+                        return self._send(404, b'{"detail":"Not Found"}')
+                    if self.path == "/collective_rpc":
+                        t0 = time.monotonic()
+                        time.sleep(fake.reload_delay)
+                        fake.weights = body["kwargs"]["weights_path"]
+                        fake.reloads.append((t0, time.monotonic(), fake.weights))
+                    return self._send(200, b'{"results": [null]}')
                 if self.path == "/tokenize":
                     fake.tokenized.append(body)
                     n = fake.prompt_tokens(body["messages"])
                     return self._send(200, orjson.dumps({"count": n, "max_model_len": fake.max_model_len,
                                                          "tokens": list(range(n))}))
                 fake.bodies.append(body)
+                t0, weights = time.monotonic(), fake.weights
                 time.sleep(fake.delay)
+                with fake.lock:
+                    fake.served.append((t0, time.monotonic(), weights, fake.weights))
                 n, wanted = fake.prompt_tokens(body["messages"]), body.get("max_tokens")
                 if fake.mode == "ok" and wanted is not None and n + wanted > fake.max_model_len:
                     self._send(400, orjson.dumps({"error": {
@@ -70,7 +88,7 @@ class FakeVLLM:
                     self._send(200, orjson.dumps({
                         "id": "chatcmpl-fake", "object": "chat.completion", "created": 1, "model": "fake-model",
                         "prompt_token_ids": [1, 2, 3],
-                        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok" if weights == "base" else f"ok {weights}"},
                                      "finish_reason": "stop", "token_ids": [7, 2],
                                      "logprobs": {"content": [{"token": "ok", "logprob": -0.5},
                                                               {"token": "</s>", "logprob": -0.1}]}}],

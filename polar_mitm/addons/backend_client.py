@@ -1,11 +1,10 @@
 """The vLLM client, as an addon: built in configure from the polar_backend* options, rebuilt
 when they change (--set), closed in done. The other addons ask it for completions, token
-counts, the served model and the policy version."""
+counts and the served model, and swaps its weights in a sync."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import orjson
 from mitmproxy import ctx, exceptions
@@ -36,8 +35,6 @@ class BackendClient:
         self.max_model_len: int | None = None           # from the backend's model list
         self._listed = False
         self.has_tokenize = True   # False once the backend said it has no /tokenize
-        self._policy: tuple[float, str | None] = (0.0, None)
-        self._refreshing: asyncio.Future | None = None
 
     def load(self, loader):
         loader.add_option("polar_backend", str, "http://127.0.0.1:8000",
@@ -47,8 +44,6 @@ class BackendClient:
         loader.add_option("polar_backend_timeout", int, 600, "Seconds to wait for the backend.")
         loader.add_option("polar_max_concurrency", int, 0,
                           "Calls in flight to the backend at once (0: unlimited).")
-        loader.add_option("polar_policy_version", str, "",
-                          "Policy tag recorded when the backend reports no weight version.")
 
     def configure(self, updated):
         if "polar_backend_timeout" in updated and ctx.options.polar_backend_timeout <= 0:
@@ -137,24 +132,17 @@ class BackendClient:
             raise BackendUnavailable("the model backend is unavailable (no model list)") from None
         return self.served_model
 
-    async def policy_version(self) -> str | None:
-        """The backend's weight version (vLLM dev-mode /weight_info). A call never waits for
-        it but the first: once a second it is refreshed in the background."""
-        fetched_at, value = self._policy
-        if fetched_at == 0.0:
-            return await self._refresh_policy()
-        if time.monotonic() - fetched_at >= 1.0 and (self._refreshing is None or self._refreshing.done()):
-            self._refreshing = asyncio.ensure_future(self._refresh_policy())
-        return value
-
-    async def _refresh_policy(self) -> str | None:
-        value = ctx.options.polar_policy_version or None
-        try:
-            resp = await self.client.request("GET", "/weight_info", timeout=2)
-            if resp.status == 200:
-                reported = orjson.loads(resp.content).get("weight_version")
-                value = str(reported) if reported is not None else value
-        except (HTTPError, ValueError, AttributeError):
-            pass
-        self._policy = (time.monotonic(), value)
-        return value
+    async def swap_weights(self, checkpoint: str, version: int) -> None:
+        """vLLM (dev mode) reloads the checkpoint in place, forgets its prefix cache (keys
+        and values of the old weights) and takes the version as its own tag."""
+        for path, body in (("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": checkpoint}}),
+                           ("/reset_prefix_cache", {}),
+                           ("/update_weight_version", {"new_version": str(version)})):
+            try:
+                await self._post(path, body)
+            except backend.BackendError as e:
+                if e.status == 404:
+                    raise backend.BackendError(
+                        f"the model backend has no {path}: start vLLM with VLLM_SERVER_DEV_MODE=1 "
+                        "(polar-mitm up does) to sync weights into it", status=502) from None
+                raise

@@ -4,6 +4,7 @@
                    connections (first, so it configures before any option can fail)
     ProxyUsers     the HTTPS_PROXY user on CONNECT (it names the session)
     BackendClient  the vLLM client, built in configure from --set options, closed in done
+    WeightSync     /_polar/sync: hold calls, drain, reload vLLM's weights, next version
     ModelCalls     model calls: to vLLM and back in the harness's format, recorded first;
                    long streaming calls go through the loopback StreamRelay for keepalives
     LocalAnswers   everything else (telemetry, model lists, token counts, health)
@@ -21,6 +22,7 @@ from .local_answers import HEALTH_PATH, LocalAnswers  # noqa: F401
 from .model_calls import ModelCalls, parse_overrides  # noqa: F401
 from .proxy_users import ProxyUsers
 from .relay import StreamRelay
+from .weight_sync import SYNC_PATH, WeightSync  # noqa: F401
 
 
 class PolarGateway:
@@ -31,9 +33,10 @@ class PolarGateway:
         self.backstop = Backstop(self.relay.addresses)
         self.users = ProxyUsers()
         self.backend = BackendClient()
-        self.model_calls = ModelCalls(self.backend, self.users, self.relay)
+        self.sync = WeightSync(self.backend)
+        self.model_calls = ModelCalls(self.backend, self.users, self.relay, self.sync.gate)
         self.local = LocalAnswers(self.backend, self.model_calls)
-        self.addons = [self.backstop, self.users, self.backend, self.model_calls, self.local,
+        self.addons = [self.backstop, self.users, self.backend, self.sync, self.model_calls, self.local,
                        Unanswered(self.relay.addresses)]
 
 

@@ -52,7 +52,9 @@ class LocalAnswers:
                  "load_errors": writer.load_errors if writer else 0,
                  # acknowledged calls still only in the call log (readers get them on asking)
                  "log_pending": writer.pending_lines if writer else 0,
-                 "loader": loader}), _JSON)
+                 "loader": loader,
+                 # the version sampling new calls; holding: a weight sync is under way
+                 "policy": self.model_calls.gate.state()}), _JSON)
         elif is_websocket(req):
             # Codex tries Responses-over-WebSocket first and falls back to HTTPS on 404.
             flow.response = http.Response.make(404, b'{"error": "websocket transport not offered"}', _JSON)

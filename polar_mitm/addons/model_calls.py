@@ -26,6 +26,7 @@ from polar_mitm.store import CallWriter
 
 from . import sessions
 from .backend_client import BackendClient
+from .policy_gate import PolicyGate
 from .bodies import (BodyTooLarge, bounded, decoded_body, depth_ok, has_image, header_dict, is_websocket,
                      MAX_BODY_DEPTH)
 from .proxy_users import ProxyUsers
@@ -86,8 +87,10 @@ def read_body(req: http.Request, limit: int):
 
 
 class ModelCalls:
-    def __init__(self, backend_client: BackendClient, users: ProxyUsers, relay: StreamRelay):
+    def __init__(self, backend_client: BackendClient, users: ProxyUsers, relay: StreamRelay,
+                 gate: PolicyGate | None = None):
         self.backend, self.users, self.relay = backend_client, users, relay
+        self.gate = gate or PolicyGate()   # which policy version samples each call
         self.writer: CallWriter | None = None
         self.overrides: dict = {}
         self.filters: dict[str, re.Pattern | None] = {}   # polar_model_hosts/_paths
@@ -315,17 +318,19 @@ class ModelCalls:
         normalized["messages"] = None
         slots = self.backend.slots
         q0 = time.perf_counter()
-        if slots:
-            await slots.acquire()
-        try:
-            b0 = time.perf_counter()
-            record["queue_ms"] = (b0 - q0) * 1000
-            policy = await self.backend.policy_version()   # cached; refreshed in the background
-            resp_json, prompt_ids = await self.backend.complete(payload)
-            record["backend_ms"] = (time.perf_counter() - b0) * 1000
-        finally:
+        # Inside the gate the weights cannot change: a sync waits for this call, and a call
+        # that arrives during a sync waits for it (queue_ms counts both waits).
+        async with self.gate.call() as policy:
             if slots:
-                slots.release()
+                await slots.acquire()
+            try:
+                b0 = time.perf_counter()
+                record["queue_ms"] = (b0 - q0) * 1000
+                resp_json, prompt_ids = await self.backend.complete(payload)
+                record["backend_ms"] = (time.perf_counter() - b0) * 1000
+            finally:
+                if slots:
+                    slots.release()
         result, tokens = backend.from_backend(resp_json, normalized)
         answer = mod.from_chat(result, normalized)
         self._prompt_sizes[session_id] = (len(record["request_text"]), result["usage"]["prompt_tokens"])
@@ -336,7 +341,7 @@ class ModelCalls:
                       logprobs=tokens["logprobs"], finish_reason=result["finish_reason"],
                       prompt_tokens=result["usage"]["prompt_tokens"],
                       completion_tokens=result["usage"]["completion_tokens"],
-                      usage_json=result["usage"], policy_version=tokens["policy_version"] or policy)
+                      usage_json=result["usage"], policy_version=str(policy))
         if normalized["stream"]:
             return 200, b"".join(mod.stream(result, normalized)), {
                 "content-type": adapters.stream_content_type(normalized), "cache-control": "no-cache"}

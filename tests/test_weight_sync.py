@@ -1,0 +1,136 @@
+"""A weight sync through the gateway: new calls are held (not refused; streaming clients get
+keepalives), calls in flight finish first, vLLM reloads, and every call carries the version
+that sampled it. Against a slow stand-in whose answers say which weights served them."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from fake_vllm import FakeVLLM
+from polar_mitm.addons.policy_gate import PolicyGate
+from polar_mitm.store import query
+
+TOKEN = "test-control-token"
+
+
+def sync(proxy, checkpoint: str, version: int, token: str = TOKEN) -> httpx.Response:
+    return httpx.post(proxy.base_url + "/_polar/sync", json={"checkpoint": checkpoint, "version": version},
+                      headers={"authorization": f"Bearer {token}"}, timeout=60, trust_env=False)
+
+
+def policy(proxy) -> dict:
+    return httpx.get(proxy.base_url + "/_polar/health", trust_env=False, timeout=10).json()["policy"]
+
+
+def test_no_call_straddles_a_sync(start_proxy):
+    with FakeVLLM(delay=0.8, reload_delay=0.5) as fake:
+        proxy = start_proxy(fake.url, [f"polar_control_token={TOKEN}", "polar_stream_keepalive=0.2"])
+        answers: dict[int, str] = {}
+        errors: list[BaseException] = []
+
+        def call(i: int) -> None:
+            client = openai.OpenAI(base_url=proxy.base_url + "/v1", api_key=f"polar-sync~{i}",
+                                   max_retries=0, timeout=60)
+            try:
+                if i % 2:   # streaming: kept alive while held
+                    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                            stream=True)
+                    answers[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+                else:
+                    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+                    answers[i] = r.choices[0].message.content
+            except BaseException as e:   # noqa: BLE001 - reported below
+                errors.append(e)
+
+        first = [threading.Thread(target=call, args=(i,)) for i in range(8)]
+        for t in first:
+            t.start()
+        deadline = time.monotonic() + 10
+        while len(fake.bodies) < 8 and time.monotonic() < deadline:   # all 8 in flight
+            time.sleep(0.01)
+        report: dict = {}
+        syncer = threading.Thread(target=lambda: report.update(sync(proxy, "/ckpt/1", 1).json()))
+        syncer.start()
+        while not policy(proxy)["holding"] and time.monotonic() < deadline + 10:
+            time.sleep(0.01)
+        second = [threading.Thread(target=call, args=(i,)) for i in range(8, 16)]   # during the sync
+        for t in second:
+            t.start()
+        for t in [*first, syncer, *second]:
+            t.join(60)
+        assert not errors, errors
+        assert len(answers) == 16
+
+    assert report["version"] == 1 and report["drained"] == 8 and report["held"] >= 1, report
+    assert policy(proxy) == {"version": 1, "checkpoint": "/ckpt/1", "holding": False, "held": 0, "in_flight": 0}
+    (r0, r1, _), = fake.reloads
+    for start, end, before, after in fake.served:
+        assert before == after, "the weights changed under a call"
+        assert end <= r0 or start >= r1, "a call reached the backend during the reload"
+    rows = query(proxy.db, "SELECT session_id, policy_version, response_json->>'$.choices[0].message.content', "
+                           "stream FROM calls")[1]
+    assert len(rows) == 16
+    by_version = {"0": "ok", "1": "ok /ckpt/1"}
+    for sid, version, content, stream in rows:
+        i = int(sid.split("~")[1])
+        assert answers[i] == by_version[version], (sid, version, answers[i])
+        if not stream:
+            assert content == answers[i]
+    assert sorted(v for _, v, *_ in rows) == ["0"] * 8 + ["1"] * 8   # the first 8 before, the rest after
+
+
+def test_a_sync_needs_the_token_and_a_dev_mode_backend(start_proxy):
+    with FakeVLLM(dev_mode=False) as fake:
+        proxy = start_proxy(fake.url, [f"polar_control_token={TOKEN}"])
+        assert sync(proxy, "/ckpt/1", 1, token="wrong").status_code == 403
+        r = sync(proxy, "/ckpt/1", 1)
+        assert r.status_code == 502 and "VLLM_SERVER_DEV_MODE=1" in r.json()["error"]["message"]
+        client = openai.OpenAI(base_url=proxy.base_url + "/v1", api_key="polar-nosync~0", max_retries=0)
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert query(proxy.db, "SELECT policy_version FROM calls")[1] == [("0",)]   # the old version stays
+
+
+def test_syncs_are_off_without_a_token(start_proxy):
+    with FakeVLLM() as fake:
+        proxy = start_proxy(fake.url)
+        assert sync(proxy, "/ckpt/1", 1, token="anything").status_code == 403
+        assert not fake.reloads
+
+
+async def test_the_gate_holds_new_calls_until_the_swap_is_done():
+    gate = PolicyGate(version=3)
+    order: list[str] = []
+    import asyncio
+
+    async def call(name: str, hold: float):
+        async with gate.call() as v:
+            order.append(f"{name}@{v}")
+            await asyncio.sleep(hold)
+        order.append(f"{name} done")
+
+    async def swap():
+        order.append("swap")
+        await asyncio.sleep(0.05)
+
+    first = asyncio.ensure_future(call("a", 0.1))
+    await asyncio.sleep(0.01)
+    syncing = asyncio.ensure_future(gate.sync(swap, 4, "/c"))
+    await asyncio.sleep(0.01)
+    second = asyncio.ensure_future(call("b", 0))
+    report = await syncing
+    await asyncio.gather(first, second)
+    assert order == ["a@3", "a done", "swap", "b@4", "b done"]
+    assert (report.version, report.drained, report.held) == (4, 1, 1)
+
+    async def failing():
+        raise RuntimeError("reload failed")
+    with pytest.raises(RuntimeError):
+        await gate.sync(failing, 5)
+    assert gate.version == 4   # the old version still serves
+    async with gate.call() as v:
+        assert v == 4

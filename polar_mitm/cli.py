@@ -171,12 +171,32 @@ def up(db, backend, port, reverse_port, confdir, max_model_len):
             s.stop()
 
 
+DEMO_TASKS = Path(__file__).parent / "demo_tasks"
+
+
 @main.command()
-@click.option("--db", default="polar-demo.duckdb", show_default=True)
-@click.option("--backend", default="", help="Use this vLLM server instead of starting the default model")
-@click.option("--max-tokens", default=24, show_default=True)
-def demo(db, backend, max_tokens):
-    """End to end on the embedded default model: vLLM + proxy + every API style."""
+@click.option("--sdk", is_flag=True, help="Instead: the SDK tour (every API style through the proxy)")
+@click.option("--out", default="polar-demo", show_default=True, help="The loop's run directory")
+@click.option("--iterations", default=3, show_default=True)
+@click.option("--db", default="polar-demo.duckdb", show_default=True, help="--sdk: the database")
+@click.option("--backend", default="", help="Use this vLLM server (dev mode) instead of starting the default model")
+@click.option("--max-tokens", default=0, help="Cap on each call's output tokens (0: 48 for the loop, 24 --sdk)")
+def demo(sdk, out, iterations, db, backend, max_tokens):
+    """The main job on the embedded default model: the closed loop (Pi on small arithmetic
+    tasks, GRPO, the new weights synced into the running vLLM, held-out tasks each
+    iteration). --sdk: every API style through the proxy instead."""
+    if not sdk:
+        from .grpo.config import TrainConfig
+        from .loop import LoopOptions, run_loop
+        _stop_on_sigterm()
+        opts = LoopOptions(tasks_file=str(DEMO_TASKS / "arithmetic.jsonl"), iterations=iterations,
+                           out=Path(out), harness="pi", samples=4, backend=backend or None,
+                           eval_tasks_file=str(DEMO_TASKS / "arithmetic_heldout.jsonl"), workers=4,
+                           max_tokens=max_tokens or 48)
+        # lr 1e-5: the issue's measured setting for this model (fp32 serving); warmup none
+        run_loop(opts, TrainConfig(lr=1e-5))
+        return
+    max_tokens = max_tokens or 24
     from .demo import SUMMARY_SQL, drive
 
     _stop_on_sigterm()

@@ -65,9 +65,11 @@ def print_summary(server: RolloutServer, task_ids: list[str]) -> None:
 
 
 def start_node_stack(*, db: str, backend: str, work: Path, proxy_port: int, workers: int,
-                     max_tokens: int | None, server_url: str, node_id: str | None = None):
+                     max_tokens: int | None, server_url: str, node_id: str | None = None,
+                     extra_sets: list[str] | None = None):
     """The proxy (mitmdump) and a gateway node around it; returns (proxy service, node)."""
     sets = [f"polar_sampling=max_tokens={max_tokens}"] if max_tokens else []
+    sets += extra_sets or []
     confdir = work / "mitmproxy"
     proxy = launch.start_proxy(db=db, backend=backend, port=proxy_port, confdir=confdir,
                                log_path=work / "mitmdump.log", extra_sets=sets)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from .grpo.config import AdvantageConfig, LossConfig, TrainConfig
 from .store.training import training_calls, set_rewards
 
 
@@ -48,37 +49,62 @@ def main():
     """GRPO on recorded harness sessions."""
 
 
+_T, _L, _A = TrainConfig(), LossConfig(), AdvantageConfig()   # the defaults, in one place
+
+
+def trainer_options(f):
+    """The options of train and loop, with TrainConfig's defaults."""
+    for option in reversed([
+        click.option("--builder", type=click.Choice(["trie", "prefix_merging", "per_request"]),
+                     default=_T.builder, show_default=True),
+        click.option("--lr", default=_T.lr, show_default=True),
+        click.option("--warmup-steps", default=_T.warmup_steps, show_default=True,
+                     help="Linear learning-rate warmup, in optimizer steps (over a whole loop)"),
+        click.option("--epochs", default=_T.epochs, show_default=True),
+        click.option("--groups-per-step", default=_T.groups_per_step, show_default=True,
+                     help="0: all groups in one optimizer step"),
+        click.option("--token-budget", default=_T.token_budget, show_default=True, help="Tokens per micro-batch row"),
+        click.option("--normalization", type=click.Choice(["token", "session"]), default=_T.normalization,
+                     show_default=True),
+        click.option("--std/--no-std", "scale_std", default=_A.scale_std, show_default=True,
+                     help="Divide advantages by the group's reward std"),
+        click.option("--leave-one-out", is_flag=True, default=_A.leave_one_out,
+                     help="Baseline = mean of the other sessions of the group"),
+        click.option("--clip-low", default=_L.clip_low, show_default=True),
+        click.option("--clip-high", default=_L.clip_high, show_default=True),
+        click.option("--tis-cap", default=_L.tis_cap, show_default=True, help="Truncated importance sampling cap"),
+        click.option("--kl-coef", default=_L.kl_coef, show_default=True,
+                     help="k3 KL to the initial policy (or --ref-model)"),
+        click.option("--max-grad-norm", default=_T.max_grad_norm, show_default=True),
+        click.option("--weight-decay", default=_T.weight_decay, show_default=True),
+        click.option("--gradient-checkpointing", is_flag=True, help="Recompute each row in backward (less memory)"),
+        click.option("--seed", default=_T.seed, show_default=True),
+    ]):
+        f = option(f)
+    return f
+
+
+def train_config(*, builder, lr, warmup_steps, epochs, groups_per_step, token_budget, normalization,
+                 scale_std, leave_one_out, clip_low, clip_high, tis_cap, kl_coef, max_grad_norm,
+                 weight_decay, gradient_checkpointing, seed) -> TrainConfig:
+    return TrainConfig(builder=builder, lr=lr, warmup_steps=warmup_steps, epochs=epochs,
+                       groups_per_step=groups_per_step, token_budget=token_budget, normalization=normalization,
+                       advantage=AdvantageConfig(scale_std=scale_std, leave_one_out=leave_one_out),
+                       loss=LossConfig(clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap, kl_coef=kl_coef),
+                       max_grad_norm=max_grad_norm, weight_decay=weight_decay,
+                       gradient_checkpointing=gradient_checkpointing, seed=seed)
+
+
 @main.command()
 @click.option("--db", "dbs", multiple=True, required=True, help="DuckDB file (repeat for one per gateway machine)")
 @click.option("--model", default="", help="Hugging Face model directory (default: the embedded SmolLM2)")
 @click.option("--out", required=True, help="Output directory: metrics.jsonl, metrics.png, checkpoint/")
-@click.option("--builder", type=click.Choice(["trie", "prefix_merging", "per_request"]), default="trie",
-              show_default=True)
 @click.option("--task", "tasks", multiple=True, help="Only these tasks (GRPO groups)")
 @click.option("--session", "sessions", multiple=True, help="Only these sessions")
-@click.option("--lr", default=1e-6, show_default=True)
-@click.option("--epochs", default=1, show_default=True)
-@click.option("--groups-per-step", default=0, show_default=True, help="0: all groups in one optimizer step")
-@click.option("--token-budget", default=8192, show_default=True, help="Tokens per micro-batch row")
-@click.option("--normalization", type=click.Choice(["token", "session"]), default="token", show_default=True)
-@click.option("--std/--no-std", "scale_std", default=True, show_default=True,
-              help="Divide advantages by the group's reward std")
-@click.option("--leave-one-out", is_flag=True, help="Baseline = mean of the other sessions of the group")
-@click.option("--clip-low", default=0.2, show_default=True)
-@click.option("--clip-high", default=0.28, show_default=True)
-@click.option("--tis-cap", default=2.0, show_default=True, help="Truncated importance sampling cap")
-@click.option("--kl-coef", default=0.0, show_default=True, help="k3 KL to the frozen starting model")
-@click.option("--max-grad-norm", default=1.0, show_default=True)
-@click.option("--weight-decay", default=0.0, show_default=True)
-@click.option("--gradient-checkpointing", is_flag=True, help="Recompute each row in backward (less memory)")
-@click.option("--seed", default=0, show_default=True)
-def train(dbs, model, out, builder, tasks, sessions, lr, epochs, groups_per_step, token_budget, normalization,
-          scale_std, leave_one_out, clip_low, clip_high, tis_cap, kl_coef, max_grad_norm, weight_decay,
-          gradient_checkpointing, seed):
+@trainer_options
+def train(dbs, model, out, tasks, sessions, **options):
     """Run GRPO on the rewarded sessions and save a checkpoint vLLM serves."""
-    from .grpo.advantages import AdvantageConfig
-    from .grpo.loss import LossConfig
-    from .grpo.train import TrainConfig, TrainError, dist_env
+    from .grpo.train import TrainError, dist_env
     from .grpo.train import train as run_train
 
     rank, _ = dist_env()
@@ -88,12 +114,7 @@ def train(dbs, model, out, builder, tasks, sessions, lr, epochs, groups_per_step
     if not calls:
         _die("no rewarded sessions to train on: set rewards with `polar-train reward --db DB rewards.jsonl` "
              "(or check --task/--session)")
-    cfg = TrainConfig(builder=builder, lr=lr, epochs=epochs, groups_per_step=groups_per_step,
-                      token_budget=token_budget, normalization=normalization,
-                      advantage=AdvantageConfig(scale_std=scale_std, leave_one_out=leave_one_out),
-                      loss=LossConfig(clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap, kl_coef=kl_coef),
-                      max_grad_norm=max_grad_norm, weight_decay=weight_decay,
-                      gradient_checkpointing=gradient_checkpointing, seed=seed)
+    cfg = train_config(**options)
     model = model or _default_model()
     bar = None
 
@@ -164,6 +185,40 @@ def format_builders(rows: list[dict]) -> str:
         ratio = base["forward_tokens"] / max(r["forward_tokens"], 1)
         lines.append(f"{r['builder']:15}" + "".join(f"{r[c]:>16,}" for c in cols) + f"{ratio:>15.2f}x")
     return "\n".join(lines)
+
+
+@main.command()
+@click.option("--tasks", "tasks_file", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="Task file (JSONL, as for polar-mitm rollout)")
+@click.option("--iterations", required=True, type=click.IntRange(1), help="Iterations in all (a rerun continues)")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Run directory: database, "
+              "checkpoints, loop.json, loop.png; rerun with the same --out to resume")
+@click.option("--harness", default=None, help="For tasks that name none (default pi)")
+@click.option("--samples", type=int, default=None, help="num_samples for tasks that give none")
+@click.option("--model", default="", help="The initial policy (default: the embedded SmolLM2)")
+@click.option("--backend", default="", help="A running vLLM started with VLLM_SERVER_DEV_MODE=1 "
+              "(default: start one, kept across iterations)")
+@click.option("--eval-tasks", "eval_tasks_file", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Held-out tasks: run every iteration with the current policy, never trained on")
+@click.option("--workers", default=4, show_default=True, help="RUN slots of the node")
+@click.option("--max-tokens", default=512, show_default=True, help="Cap on each call's output tokens")
+@click.option("--keep", default=2, show_default=True, help="Checkpoints kept")
+@click.option("--dtype", default="float32", show_default=True, help="vLLM's dtype (the trainer's by default)")
+@click.option("--max-staleness", default=0, show_default=True,
+              help="Policy versions a trained call may lag (only 0, synchronous, for now)")
+@trainer_options
+def loop(tasks_file, iterations, out, harness, samples, model, backend, eval_tasks_file, workers, max_tokens,
+         keep, dtype, max_staleness, **options):
+    """The closed loop: rollouts through a real harness, GRPO, the new weights synced into the
+    running vLLM, the next rollouts."""
+    from .loop import LoopOptions, run_loop
+    if max_staleness != 0:
+        _die("--max-staleness above 0 (rollouts during training) is not built yet; use 0")
+    opts = LoopOptions(tasks_file=tasks_file, iterations=iterations, out=Path(out), harness=harness,
+                       samples=samples, model=model or None, backend=backend or None,
+                       eval_tasks_file=eval_tasks_file, workers=workers, max_tokens=max_tokens, keep=keep,
+                       dtype=dtype)
+    run_loop(opts, train_config(**options))
 
 
 @main.command()

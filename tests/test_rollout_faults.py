@@ -192,7 +192,9 @@ def test_task_requests_are_validated():
             parse_task(bad)
     assert parse_reward("running tests\n0.75\n", 1) == 0.75
     assert parse_reward("3 passed\n", 0) == 1.0 and parse_reward("1 failed\n", 1) == 0.0
-    assert parse_reward("nan\n", 0) == 1.0
+    for bad in ("nan", "inf", "-inf"):   # a failed evaluation, not a reward of 1.0
+        with pytest.raises(TaskError):
+            parse_reward(f"{bad}\n", 0)
 
 
 def test_teardown_ends_processes_that_left_the_group(tmp_path):

@@ -6,19 +6,15 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from .config import AdvantageConfig  # noqa: F401 - re-exported
 from .rollouts import Call
 
 NORMALIZATIONS = ("token", "session")
 
 
-@dataclass(frozen=True)
-class AdvantageConfig:
-    scale_std: bool = True        # divide by the group's reward std (GRPO); off = Dr. GRPO
-    leave_one_out: bool = False   # baseline = mean of the *other* sessions (RLOO / Polar)
-    eps: float = 1e-6
+
 
 
 def group_advantages(rewards: Mapping[str, float], group_of: Mapping[str, str],

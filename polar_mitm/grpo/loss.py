@@ -14,13 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import LossConfig  # noqa: F401 - re-exported
 
-@dataclass(frozen=True)
-class LossConfig:
-    clip_low: float = 0.2
-    clip_high: float = 0.28       # clip-higher (DAPO): room for rare tokens to grow
-    tis_cap: float = 2.0          # truncated importance sampling for the vLLM/trainer gap
-    kl_coef: float = 0.0          # k3 KL to a frozen reference; off by default
+
+
 
 
 @dataclass

@@ -23,38 +23,22 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
-from .advantages import AdvantageConfig, group_advantages, token_weights
-from .loss import METRIC_SUMS, LossConfig, LossInputs, grpo_loss, merge_metrics, summarize
+from .advantages import group_advantages, token_weights
+from .config import AdvantageConfig, LossConfig, TrainConfig  # noqa: F401 - re-exported
+from .loss import METRIC_SUMS, LossInputs, grpo_loss, merge_metrics, summarize
 from .packing import merge
 from .policy import ForestRunner, TokenLogprobs
 from .rollouts import Call
 from .trajectories import BUILDERS, build
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    builder: str = "trie"
-    lr: float = 1e-6                  # Polar's default; tiny models move at 1e-5..1e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.98)
-    epochs: int = 1                   # passes over the data
-    groups_per_step: int = 0          # GRPO groups per optimizer step; 0 = all in one step
-    token_budget: int = 8192          # tokens per micro-batch row
-    max_grad_norm: float = 1.0
-    normalization: str = "token"      # token | session
-    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
-    gradient_checkpointing: bool = False
-    logprob_chunk: int = 1024         # trained positions per lm_head chunk
-    temperature: float = 1.0          # vLLM reports raw (pre-temperature) logprobs by default
-    dtype: str = "auto"               # auto: bf16 autocast on GPUs that have it, else float32
-    seed: int = 0
+
 
 
 class TrainError(ValueError):
@@ -160,129 +144,185 @@ def run_step(policy, step: StepData, adv: torch.Tensor, weights: torch.Tensor, p
     return totals
 
 
-# ---- the loop -------------------------------------------------------------------------------
+# ---- the trainer ------------------------------------------------------------------------------
+
+class Trainer:
+    """The policy, its AdamW state and its KL reference, alive across training calls: the
+    loop (polar-train loop) trains each iteration's groups with one Trainer, and `train`
+    below uses one once. The learning-rate schedule counts optimizer steps over the
+    trainer's whole life; the KL reference is the initial policy (or `ref_model`)."""
+
+    def __init__(self, model_dir: str | os.PathLike, cfg: TrainConfig = TrainConfig(),
+                 ref_model: str | os.PathLike | None = None):
+        if cfg.builder not in BUILDERS:
+            raise TrainError(f"unknown builder {cfg.builder!r}")
+        self.cfg, self.model_dir = cfg, model_dir
+        self.rank, self.world = dist_env()
+        if self.world > 1 and not torch.distributed.is_initialized():
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            torch.distributed.init_process_group(backend)
+        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        self.device = device
+        torch.manual_seed(cfg.seed)
+
+        # model ------------------------------------------------------------------------------
+        self.lm = lm = load_model(model_dir, device)
+        if cfg.gradient_checkpointing:
+            lm.config.use_cache = True   # our row checkpointing keeps the cache; see TokenLogprobs
+        self.policy = TokenLogprobs(lm, chunk=cfg.logprob_chunk, temperature=cfg.temperature,
+                                    checkpoint_rows=cfg.gradient_checkpointing)
+        self.bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda"
+                                            and torch.cuda.is_bf16_supported())
+        self.attention = lm.config._attn_implementation
+        if self.world > 1:
+            from torch.distributed.fsdp import fully_shard
+            for layer in lm.get_decoder().layers:
+                fully_shard(layer)
+            fully_shard(self.policy)
+        self.ref_policy = None
+        if cfg.loss.kl_coef > 0:
+            ref_lm = load_model(ref_model or model_dir, device)
+            ref_lm.requires_grad_(False)
+            self.ref_policy = TokenLogprobs(ref_lm, chunk=cfg.logprob_chunk, temperature=cfg.temperature)
+        self.opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, betas=cfg.betas,
+                                     weight_decay=cfg.weight_decay)
+        self.step = 0   # optimizer steps so far: the schedule's clock
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
+    def lr_now(self) -> float:
+        """Linear warmup over cfg.warmup_steps optimizer steps, then constant."""
+        warm = self.cfg.warmup_steps
+        return self.cfg.lr * min(1.0, (self.step + 1) / warm) if warm > 0 else self.cfg.lr
+
+    def train_on(self, calls: Sequence[Call], out_dir: str | os.PathLike,
+                 progress: Callable[[int, int, dict], None] | None = None) -> dict:
+        """Optimizer steps on these calls' GRPO groups (cfg.epochs passes); writes
+        metrics.jsonl and metrics.png into out_dir. Returns a summary with every step's
+        metrics."""
+        cfg, rank, world, device = self.cfg, self.rank, self.world, self.device
+        rewards = {c.session_id: c.reward for c in calls if c.reward is not None}
+        calls = [c for c in calls if c.session_id in rewards]
+        if not calls:
+            raise TrainError("no rewarded sessions to train on (set rewards with `polar-train reward`)")
+        check_vocabulary(self.lm, calls)
+        policy, autocast = self.policy, self.autocast
+        out = Path(out_dir)
+
+        # data: advantages and weights depend on the calls only, never on the builder -----------
+        groups = sorted({c.group for c in calls})
+        group_of = {c.session_id: c.group for c in calls}
+        adv_by_session = group_advantages(rewards, group_of, cfg.advantage)
+        adv = torch.tensor([adv_by_session[c.session_id] for c in calls], dtype=torch.float32)
+        offsets = [0]
+        for c in calls:
+            offsets.append(offsets[-1] + len(c.tokens))
+        per_step = cfg.groups_per_step or len(groups)
+        step_groups = [groups[i:i + per_step] for i in range(0, len(groups), per_step)]
+        steps = []
+        weights = torch.zeros(offsets[-1], dtype=torch.float64)
+        for gs in step_groups:
+            idx = [i for i, c in enumerate(calls) if c.group in set(gs)]
+            for i, w in zip(idx, token_weights([calls[i] for i in idx], cfg.normalization)):
+                weights[offsets[i]:offsets[i] + len(w)] = torch.tensor(w, dtype=torch.float64)
+            steps.append(prepare_step(calls, idx, gs, offsets, cfg, device, rank, world, self.attention,
+                                      self.lm.dtype))
+        proximal = torch.full((offsets[-1],), float("nan"))
+        ref = None
+        if self.ref_policy is not None:
+            ref = torch.full((offsets[-1],), float("nan"))
+            with torch.no_grad(), autocast():
+                for s in steps:
+                    ref[s.flat] = s.runner.run(self.ref_policy, None).to(ref.dtype).cpu()
+
+        # loop ----------------------------------------------------------------------------------
+        out.mkdir(parents=True, exist_ok=True)
+        metrics_path = out / "metrics.jsonl"
+        log = open(metrics_path, "w") if rank == 0 else None
+        total_steps = cfg.epochs * len(steps)
+        history = []
+        reward_values = list(rewards.values())
+        r_mean = sum(reward_values) / len(reward_values)
+        r_std = math.sqrt(sum((r - r_mean) ** 2 for r in reward_values) / len(reward_values))
+        n = 0
+        for epoch in range(cfg.epochs):
+            for s in steps:
+                t0 = time.perf_counter()
+                for group in self.opt.param_groups:
+                    group["lr"] = self.lr_now()
+                self.opt.zero_grad(set_to_none=True)
+                if world > 1:   # gather once per step, sync once at its end (see _sync_gradients)
+                    policy.set_reshard_after_forward(False)
+                    policy.set_requires_gradient_sync(False)
+                    policy.set_reshard_after_backward(False)
+                sums = run_step(policy, s, adv, weights, proximal, cfg, ref, autocast, world)
+                if world > 1:
+                    _sync_gradients(policy, device)
+                    sums = _all_reduce_metrics(sums)
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
+                lr = self.opt.param_groups[0]["lr"]
+                self.opt.step()
+                self.step += 1
+                n += 1
+                m = summarize(sums)
+                sess_adv = [adv_by_session[x] for x in adv_by_session if group_of[x] in set(s.groups)]
+                m.update(step=n, global_step=self.step, lr=lr, epoch=epoch, groups=len(s.groups),
+                         grad_norm=grad_norm, reward_mean=r_mean, reward_std=r_std,
+                         adv_mean=sum(sess_adv) / len(sess_adv), adv_std=_std(sess_adv),
+                         adv_min=min(sess_adv), adv_max=max(sess_adv),
+                         seconds=time.perf_counter() - t0, forward_tokens=s.stats["forward_tokens"])
+                m["tokens_per_s"] = m["forward_tokens"] / max(m["seconds"], 1e-9)
+                history.append(m)
+                if log:
+                    log.write(json.dumps(m) + "\n")
+                    log.flush()
+                if progress:
+                    progress(n, total_steps, m)
+        if log:
+            log.close()
+        if rank == 0:
+            from .metrics import plot
+            plot(metrics_path, out / "metrics.png")
+        return {"steps": n, "calls": len(calls), "sessions": len(rewards), "groups": len(groups),
+                "builder": cfg.builder, "config": _jsonable(asdict(cfg)), "last": history[-1] if history else {},
+                "history": history, "build": [s.stats for s in steps]}
+
+    def save(self, target: Path) -> None:
+        """The weights as a directory vLLM serves or reloads (see save_checkpoint)."""
+        save_checkpoint(self.lm, self.model_dir, Path(target), self.world, self.rank)
+
+    def save_state(self, path: Path) -> None:
+        """AdamW's moments and the schedule's clock, to resume a loop (one process)."""
+        if self.rank == 0:
+            tmp = Path(str(path) + ".tmp")
+            torch.save({"opt": self.opt.state_dict(), "step": self.step}, tmp)
+            os.replace(tmp, path)
+
+    def load_state(self, path: Path) -> None:
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        self.opt.load_state_dict(state["opt"])
+        self.step = int(state["step"])
+
 
 def train(calls: Sequence[Call], model_dir: str | os.PathLike, out_dir: str | os.PathLike,
           cfg: TrainConfig = TrainConfig(), progress: Callable[[int, int, dict], None] | None = None,
           save: bool = True) -> dict:
+    """One training call (polar-train train): a Trainer used once, then its checkpoint."""
     if cfg.builder not in BUILDERS:
         raise TrainError(f"unknown builder {cfg.builder!r}")
-    rewards = {c.session_id: c.reward for c in calls if c.reward is not None}
-    calls = [c for c in calls if c.session_id in rewards]
-    if not calls:
+    if not any(c.reward is not None for c in calls):
         raise TrainError("no rewarded sessions to train on (set rewards with `polar-train reward`)")
-    rank, world = dist_env()
-    if world > 1 and not torch.distributed.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        torch.distributed.init_process_group(backend)
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    torch.manual_seed(cfg.seed)
+    trainer = Trainer(model_dir, cfg)
+    summary = trainer.train_on(calls, out_dir, progress)
     out = Path(out_dir)
-
-    # model ----------------------------------------------------------------------------------
-    lm = load_model(model_dir, device)
-    check_vocabulary(lm, calls)
-    if cfg.gradient_checkpointing:
-        lm.config.use_cache = True   # our row checkpointing keeps the cache; see TokenLogprobs
-    policy = TokenLogprobs(lm, chunk=cfg.logprob_chunk, temperature=cfg.temperature,
-                           checkpoint_rows=cfg.gradient_checkpointing)
-    bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
-
-    def autocast():
-        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
-
-    attention = lm.config._attn_implementation
-    if world > 1:
-        from torch.distributed.fsdp import fully_shard
-        for layer in lm.get_decoder().layers:
-            fully_shard(layer)
-        fully_shard(policy)
-    ref_policy = None
-    if cfg.loss.kl_coef > 0:
-        ref_lm = load_model(model_dir, device)
-        ref_lm.requires_grad_(False)
-        ref_policy = TokenLogprobs(ref_lm, chunk=cfg.logprob_chunk, temperature=cfg.temperature)
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-
-    # data: advantages and weights depend on the calls only, never on the builder ---------------
-    groups = sorted({c.group for c in calls})
-    group_of = {c.session_id: c.group for c in calls}
-    adv_by_session = group_advantages(rewards, group_of, cfg.advantage)
-    adv = torch.tensor([adv_by_session[c.session_id] for c in calls], dtype=torch.float32)
-    offsets = [0]
-    for c in calls:
-        offsets.append(offsets[-1] + len(c.tokens))
-    per_step = cfg.groups_per_step or len(groups)
-    step_groups = [groups[i:i + per_step] for i in range(0, len(groups), per_step)]
-    steps = []
-    weights = torch.zeros(offsets[-1], dtype=torch.float64)
-    for gs in step_groups:
-        idx = [i for i, c in enumerate(calls) if c.group in set(gs)]
-        for i, w in zip(idx, token_weights([calls[i] for i in idx], cfg.normalization)):
-            weights[offsets[i]:offsets[i] + len(w)] = torch.tensor(w, dtype=torch.float64)
-        steps.append(prepare_step(calls, idx, gs, offsets, cfg, device, rank, world, attention, lm.dtype))
-    proximal = torch.full((offsets[-1],), float("nan"))
-    ref = None
-    if ref_policy is not None:
-        ref = torch.full((offsets[-1],), float("nan"))
-        with torch.no_grad(), autocast():
-            for s in steps:
-                ref[s.flat] = s.runner.run(ref_policy, None)
-
-    # loop ------------------------------------------------------------------------------------
-    out.mkdir(parents=True, exist_ok=True)
-    metrics_path = out / "metrics.jsonl"
-    log = open(metrics_path, "w") if rank == 0 else None
-    total_steps = cfg.epochs * len(steps)
-    history = []
-    reward_values = list(rewards.values())
-    r_mean = sum(reward_values) / len(reward_values)
-    r_std = math.sqrt(sum((r - r_mean) ** 2 for r in reward_values) / len(reward_values))
-    n = 0
-    for epoch in range(cfg.epochs):
-        for s in steps:
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            if world > 1:   # gather once per step, sync once at its end (see _sync_gradients)
-                policy.set_reshard_after_forward(False)
-                policy.set_requires_gradient_sync(False)
-                policy.set_reshard_after_backward(False)
-            sums = run_step(policy, s, adv, weights, proximal, cfg, ref, autocast, world)
-            if world > 1:
-                _sync_gradients(policy, device)
-                sums = _all_reduce_metrics(sums)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
-            opt.step()
-            n += 1
-            m = summarize(sums)
-            sess_adv = [adv_by_session[x] for x in adv_by_session if group_of[x] in set(s.groups)]
-            m.update(step=n, epoch=epoch, groups=len(s.groups), grad_norm=grad_norm,
-                     reward_mean=r_mean, reward_std=r_std,
-                     adv_mean=sum(sess_adv) / len(sess_adv), adv_std=_std(sess_adv),
-                     adv_min=min(sess_adv), adv_max=max(sess_adv),
-                     seconds=time.perf_counter() - t0, forward_tokens=s.stats["forward_tokens"])
-            m["tokens_per_s"] = m["forward_tokens"] / max(m["seconds"], 1e-9)
-            history.append(m)
-            if log:
-                log.write(json.dumps(m) + "\n")
-                log.flush()
-            if progress:
-                progress(n, total_steps, m)
-    if log:
-        log.close()
-
-    # checkpoint ------------------------------------------------------------------------------
-    summary = {"steps": n, "calls": len(calls), "sessions": len(rewards), "groups": len(groups),
-               "builder": cfg.builder, "config": _jsonable(asdict(cfg)), "last": history[-1] if history else {},
-               "build": [s.stats for s in steps]}
     if save:
-        save_checkpoint(lm, model_dir, out / "checkpoint", world, rank)
-    if rank == 0:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        from .metrics import plot
-        plot(metrics_path, out / "metrics.png")
+        trainer.save(out / "checkpoint")
+    if trainer.rank == 0:
+        (out / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "history"},
+                                                     indent=2))
     return summary
 
 

@@ -28,7 +28,7 @@ from ..store import rollouts as store
 from ..store import set_reward
 from . import harnesses
 from .runtime import LocalRuntime, Runtime, Sandbox, SetupError
-from .spec import TaskRequest, parse_reward, task_from_json
+from .spec import TaskError, TaskRequest, parse_reward, task_from_json
 
 log = logging.getLogger("polar.node")
 
@@ -275,7 +275,12 @@ class GatewayNode:
             t0 = time.monotonic()
             ev = w.task.evaluator
             env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(w.sandbox.home),
-                   "LANG": "C.UTF-8", "POLAR_SESSION": w.session_id, "POLAR_TASK": w.task.task_id}
+                   "LANG": "C.UTF-8", "POLAR_SESSION": w.session_id, "POLAR_TASK": w.task.task_id,
+                   # the sample's index in its group, and the harness's output (its final answer)
+                   "POLAR_SAMPLE": w.session_id.rpartition("~")[2].split(".")[0]}
+            logs = getattr(w.sandbox, "logs", None)
+            if logs is not None and (Path(logs) / "harness.log").exists():
+                env["POLAR_OUTPUT"] = str(Path(logs) / "harness.log")
             er = w.sandbox.run(["/bin/sh", "-c", ev.command], env, ev.timeout, "evaluator")
             w.stats["eval_s"] = round(time.monotonic() - t0, 3)
             w.stats["eval_output"] = er.output_tail[-500:]
@@ -285,7 +290,11 @@ class GatewayNode:
             if er.timed_out:
                 reward, reason = 0.0, f"evaluator timed out after {ev.timeout:g}s"
             else:
-                reward = parse_reward(er.output_tail, er.exit_code)
+                try:
+                    reward = parse_reward(er.output_tail, er.exit_code)
+                except TaskError as e:   # nan or inf: the evaluation failed
+                    self._report(w, "failed", reason=str(e), stats=self._stats(w))
+                    return
             self._score(w, reward, "done", reason)
         self._report(w, "done", reward=reward, reason=reason, stats=self._stats(w))
 

@@ -122,13 +122,16 @@ def task_from_json(spec: dict) -> TaskRequest:
 
 
 def parse_reward(output: str, exit_code: int) -> float:
-    """The evaluator's reward: the float on its last non-empty line, else 1.0/0.0 by exit status."""
+    """The evaluator's reward: the float on its last non-empty line, else 1.0/0.0 by exit
+    status. nan or inf there is a failed evaluation (TaskError), never a reward."""
     lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
     if lines:
         try:
             value = float(lines[-1])
-            if value == value and abs(value) != float("inf"):
-                return value
         except ValueError:
-            pass
+            value = None
+        if value is not None:
+            if value != value or abs(value) == float("inf"):
+                raise TaskError(f"the evaluator's reward is {lines[-1]!r}, not a finite number")
+            return value
     return 1.0 if exit_code == 0 else 0.0

@@ -250,6 +250,48 @@ MIGRATIONS: list[str] = [
     CREATE VIEW call_records AS
         SELECT * FROM call_records_main UNION ALL SELECT * FROM call_records_tail;
     """,
+    # 7: the closed loop (polar-train loop): one row per iteration and per optimizer step,
+    # so a run's reward curve is one query; the checkpoint behind each policy version.
+    """
+    CREATE TABLE loop_iterations (
+        run_id          VARCHAR NOT NULL,
+        iteration       INTEGER NOT NULL,
+        policy_version  INTEGER NOT NULL,   -- the version that sampled this iteration
+        checkpoint      VARCHAR,            -- what it trained, served as policy_version + 1
+        reward_mean     DOUBLE,
+        reward_std      DOUBLE,
+        eval_reward_mean DOUBLE,            -- held-out tasks (--eval-tasks), never trained on
+        sessions_done   INTEGER,
+        sessions_failed INTEGER,
+        sessions_timed_out INTEGER,
+        calls           INTEGER,
+        tokens          BIGINT,             -- sampled tokens trained on
+        stale_dropped   INTEGER,            -- calls of another policy version, not trained
+        loss            DOUBLE,
+        clip_frac       DOUBLE,
+        logprob_abs_diff DOUBLE,            -- mean |trainer - vLLM| logprob of the sampled tokens
+        rollout_s       DOUBLE,
+        train_s         DOUBLE,
+        sync_s          DOUBLE,
+        per_task        JSON,               -- {task: {mean, std, n}}
+        finished_at     TIMESTAMPTZ DEFAULT now(),
+        PRIMARY KEY (run_id, iteration)
+    );
+    CREATE TABLE loop_steps (
+        run_id      VARCHAR NOT NULL,
+        iteration   INTEGER NOT NULL,
+        global_step INTEGER NOT NULL,
+        metrics     JSON,
+        PRIMARY KEY (run_id, global_step)
+    );
+    CREATE TABLE policy_versions (
+        run_id      VARCHAR NOT NULL,
+        version     INTEGER NOT NULL,
+        checkpoint  VARCHAR,
+        synced_at   TIMESTAMPTZ DEFAULT now(),
+        PRIMARY KEY (run_id, version)
+    );
+    """,
 ]
 
 # What the loader writes to call_records.

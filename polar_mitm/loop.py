@@ -1,0 +1,373 @@
+"""polar-train loop: the closed loop, the main job.
+
+One iteration, top to bottom:
+  1. rollouts: every task (and --eval-tasks, never trained on) through the rollout server
+     and a gateway node, sampled by the current policy version v; each iteration submits
+     its own task ids (TASK@RUN.i), so its sessions form its own GRPO groups;
+  2. GRPO on this iteration's scored groups, with one long-lived Trainer (its weights,
+     AdamW state, KL reference and learning-rate schedule live across iterations);
+  3. the checkpoint, saved as version v + 1 (the last --keep are kept);
+  4. the sync through the gateway (addons/weight_sync.py): new calls held, calls in flight
+     drained, vLLM reloads in place, version v + 1 recorded on every later call.
+The stack (vLLM, proxy, rollout server, node) starts once and runs across iterations.
+State in OUT/loop.json, written after each iteration's sync: rerunning the same command
+continues after the last completed iteration; a kill -9 loses at most the one in progress
+(its finished rollouts are kept, in the database, and trained on by the rerun).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import secrets
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import click
+import httpx
+
+from . import launch
+from .rollout import GatewayNode, RolloutServer  # noqa: F401 - the types this drives
+from .rollout.server import TERMINAL
+from .store import init_db
+from .store.loop import iterations as stored_iterations
+from .store.loop import record_iteration, record_version, zero_unrewarded
+from .store.training import training_calls
+
+
+@dataclass
+class LoopOptions:
+    tasks_file: str
+    iterations: int
+    out: Path
+    harness: str | None = None
+    samples: int | None = None
+    model: str | None = None              # the initial policy (default: the embedded SmolLM2)
+    backend: str | None = None            # a running vLLM (dev mode); default: start one
+    eval_tasks_file: str | None = None
+    workers: int = 4
+    max_tokens: int = 512
+    keep: int = 2                         # checkpoints kept (~517 MB each for the default model)
+    dtype: str = "float32"                # vLLM's: the trainer's, so every update reaches it
+    max_model_len: int = 8192
+
+
+@dataclass
+class LoopState:
+    run_id: str
+    completed: int = 0                    # iterations done (trained and synced)
+    version: int = 0                      # the policy version vLLM serves
+    checkpoint: str | None = None         # its weights (None: the initial model)
+    trainer_state: str | None = None      # AdamW and the schedule's clock after `completed`
+    checkpoints: list[str] = field(default_factory=list)
+
+    @staticmethod
+    def path(out: Path) -> Path:
+        return out / "loop.json"
+
+    @classmethod
+    def load(cls, out: Path) -> "LoopState | None":
+        try:
+            return cls(**json.loads(cls.path(out).read_text()))
+        except FileNotFoundError:
+            return None
+
+    def save(self, out: Path) -> None:
+        tmp = self.path(out).with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        os.replace(tmp, self.path(out))
+
+
+class LoopError(click.ClickException):
+    pass
+
+
+def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.echo) -> list[dict]:
+    from .grpo.rollouts import calls_from_records
+    from .grpo.train import Trainer, TrainError
+    from .models import DEFAULT_MODEL_NAME, ensure_default_model
+    from .rollout_cli import ensure_harnesses, read_tasks, start_node_stack
+
+    out = opts.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    lock = os.open(out / ".loop.lock", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise LoopError(f"another loop is running on {out}") from None
+    tasks = read_tasks(opts.tasks_file, opts.harness, opts.samples)
+    eval_tasks = read_tasks(opts.eval_tasks_file, opts.harness, opts.samples) if opts.eval_tasks_file else []
+    ensure_harnesses(t.harness for t in [*tasks, *eval_tasks])
+    state = LoopState.load(out) or LoopState(run_id=secrets.token_hex(3))
+    if state.completed >= opts.iterations:
+        echo(f"{out}: {state.completed} iterations already done")
+    base = str(opts.model or ensure_default_model(log=echo))
+    db = str(out / "rollouts.duckdb")
+    init_db(db)
+    work = out / "work"
+    work.mkdir(mode=0o700, exist_ok=True)
+    token = secrets.token_hex(16)
+    services: list[launch.Service] = []
+    server = node = None
+    try:
+        # the stack, once ------------------------------------------------------------------------
+        serving = state.checkpoint or base
+        if opts.backend:
+            backend = opts.backend.rstrip("/")
+            _check_dev_mode(backend)
+        else:
+            port = launch.free_port()
+            echo(f"starting vLLM on 127.0.0.1:{port} serving {serving} (policy version {state.version}, "
+                 f"{opts.dtype}); log {work / 'vllm.log'}")
+            t0 = time.monotonic()
+            services.append(launch.start_vllm(
+                serving, port=port, served_name=DEFAULT_MODEL_NAME, log_path=work / "vllm.log",
+                max_model_len=opts.max_model_len, chat_template=launch.TEMPLATES / "smollm2_tools.jinja"
+                if not opts.model else None, dtype=opts.dtype))
+            echo(f"vLLM ready after {time.monotonic() - t0:.0f}s")
+            backend = f"http://127.0.0.1:{port}"
+        server = RolloutServer(db).start()
+        proxy_port = launch.free_port()
+        proxy, node = start_node_stack(
+            db=db, backend=backend, work=work, proxy_port=proxy_port, workers=opts.workers,
+            max_tokens=opts.max_tokens, server_url=server.url,
+            extra_sets=[f"polar_control_token={token}", f"polar_policy_version={state.version}"])
+        services.append(proxy)
+        sync = Sync(proxy_port, token)
+        if opts.backend and state.checkpoint:
+            sync(state.checkpoint, state.version)   # a running vLLM serves the version we know
+        trainer = Trainer(serving, train_cfg, ref_model=base)
+        if state.trainer_state:
+            trainer.load_state(Path(state.trainer_state))
+
+        # the iterations -------------------------------------------------------------------------
+        for it in range(state.completed, opts.iterations):
+            version = state.version
+            t0 = time.monotonic()
+            train_ids = _submit(server, tasks, f"@{state.run_id}.{it}")
+            eval_ids = _submit(server, eval_tasks, f"@{state.run_id}.{it}.eval")
+            _wait_rollouts(server, train_ids + eval_ids, services, f"iteration {it + 1}/{opts.iterations} "
+                           f"rollouts (policy v{version})")
+            rollout_s = time.monotonic() - t0
+            groups = {tid: server.group(tid) for tid in train_ids}
+            finals = [s for g in groups.values() for s in g["sessions"]]   # one per sample: retries replace
+            zero_unrewarded(db, [s["session_id"] for s in finals if s["state"] in ("failed", "timed_out")],
+                            "the harness failed (on_failure: zero)")
+            data = training_calls([db], sessions=[s["session_id"] for s in finals])
+            calls = calls_from_records(data.calls)
+            fresh = [c for c in calls if c.policy_version == str(version)]   # --max-staleness 0
+            row = _rollout_row(state.run_id, it, version, groups, eval_ids, server, fresh, len(calls) - len(fresh))
+            row["rollout_s"] = rollout_s
+
+            t1 = time.monotonic()
+            history: list[dict] = []
+            try:
+                summary = _train(trainer, fresh, out / "iterations" / f"{it:04d}", it, opts.iterations)
+                history = summary["history"]
+            except TrainError as e:
+                echo(f"iteration {it + 1}: nothing trained ({e})")
+            if history:
+                ckpt = out / "checkpoints" / f"v{version + 1}"
+                trainer.save(ckpt)
+                tstate = out / "trainer" / f"v{version + 1}.pt"
+                tstate.parent.mkdir(exist_ok=True)
+                trainer.save_state(tstate)
+                row.update(checkpoint=str(ckpt), loss=history[-1]["loss"], clip_frac=history[-1]["clip_frac"],
+                           logprob_abs_diff=history[0]["logprob_abs_diff"])
+            row["train_s"] = time.monotonic() - t1
+
+            t2 = time.monotonic()
+            if history:
+                report = sync(str(ckpt), version + 1)
+                record_version(db, state.run_id, version + 1, str(ckpt))
+                state.version, state.checkpoint, state.trainer_state = version + 1, str(ckpt), str(tstate)
+                state.checkpoints.append(str(ckpt))
+                echo(f"synced policy v{version + 1}: drained {report['drained']} calls, held "
+                     f"{report['held']}, reload {report['swap_s']:.2f}s")
+            row["sync_s"] = time.monotonic() - t2
+            record_iteration(db, row, history)
+            state.completed = it + 1
+            state.save(out)
+            _prune(state, opts.keep)
+            echo(_iteration_line(row))
+
+        rows = stored_iterations(db, state.run_id)
+        echo(iteration_table(rows))
+        if rows:
+            plot_loop(rows, out / "loop.png")
+            echo(f"database {db}; plot {out / 'loop.png'}")
+        return rows
+    finally:
+        if node:
+            node.stop()
+        if server:
+            server.stop()
+        for s in reversed(services):
+            s.stop()
+        os.close(lock)
+
+
+class Sync:
+    """The weight sync, through the gateway's control endpoint (addons/weight_sync.py)."""
+
+    def __init__(self, proxy_port: int, token: str):
+        self.proxy = f"http://127.0.0.1:{proxy_port}"
+        self.token = token
+
+    def __call__(self, checkpoint: str, version: int) -> dict:
+        r = httpx.post("http://polar.sync/_polar/sync", proxy=self.proxy, trust_env=False, timeout=600,
+                       json={"checkpoint": checkpoint, "version": version},
+                       headers={"authorization": f"Bearer {self.token}"})
+        if r.status_code != 200:
+            raise LoopError(f"the weight sync to version {version} failed: {r.text[:500]}")
+        return r.json()
+
+
+def _check_dev_mode(backend: str) -> None:
+    try:
+        r = httpx.post(backend + "/reset_prefix_cache", timeout=30, trust_env=False)
+    except httpx.HTTPError as e:
+        raise LoopError(f"the backend {backend} is not answering: {e}") from None
+    if r.status_code == 404:
+        raise LoopError(f"the backend {backend} has no dev-mode endpoints, so its weights cannot be "
+                        "updated: start vLLM with VLLM_SERVER_DEV_MODE=1")
+
+
+def _submit(server, tasks, suffix: str) -> list[str]:
+    ids = []
+    for t in tasks:
+        tid = t.task_id + suffix
+        if len(tid) > 120:
+            raise LoopError(f"{t.task_id}: task ids of at most {120 - len(suffix)} characters, please")
+        if tid not in server.tasks:   # a rerun resumes its unfinished sessions instead
+            server.submit(replace(t, task_id=tid))
+        ids.append(tid)
+    return ids
+
+
+def _wait_rollouts(server, ids: list[str], services, label: str) -> None:
+    total = sum(server.tasks[t].spec.num_samples for t in ids)
+    with click.progressbar(length=total, label=label, file=sys.stderr, show_pos=True) as bar:
+        settled = 0
+        while not server.wait(ids, timeout=1.0):
+            now = sum(1 for t in ids for s in server.group(t)["sessions"] if s["state"] in TERMINAL)
+            bar.update(now - settled)
+            settled = now
+            dead = [s for s in services if not s.alive()]
+            if dead:
+                raise LoopError("a service stopped: " + "; ".join(f"{s.name}: {s.tail(5)}" for s in dead))
+        bar.update(total - settled)
+
+
+def _rollout_row(run_id: str, it: int, version: int, groups: dict, eval_ids: list[str], server,
+                 calls, stale: int) -> dict:
+    rewards, per_task = [], {}
+    states: dict[str, int] = {}
+    for tid, g in groups.items():
+        rs = [s["reward"] for s in g["sessions"] if s["reward"] is not None]
+        for s in g["sessions"]:
+            states[s["state"]] = states.get(s["state"], 0) + 1
+        task = tid.rsplit("@", 1)[0]
+        per_task[task] = {"mean": _mean(rs), "std": _std(rs), "n": len(rs)}
+        rewards += rs
+    eval_rewards = [s["reward"] for t in eval_ids for s in server.group(t)["sessions"] if s["reward"] is not None]
+    return {"run_id": run_id, "iteration": it, "policy_version": version, "checkpoint": None,
+            "reward_mean": _mean(rewards), "reward_std": _std(rewards),
+            "eval_reward_mean": _mean(eval_rewards) if eval_ids else None,
+            "sessions_done": states.get("done", 0), "sessions_failed": states.get("failed", 0),
+            "sessions_timed_out": states.get("timed_out", 0), "calls": len(calls),
+            "tokens": sum(len(c.tokens) for c in calls), "stale_dropped": stale, "per_task": per_task}
+
+
+def _train(trainer, calls, out: Path, it: int, iterations: int) -> dict:
+    bar = None
+
+    def progress(n, total, m):
+        nonlocal bar
+        if bar is None:
+            bar = click.progressbar(length=total, label=f"iteration {it + 1}/{iterations} training",
+                                    file=sys.stderr, item_show_func=lambda s: s)
+            bar.__enter__()
+        bar.update(1, f"loss {m['loss']:+.4f} clip {m['clip_frac']:.3f}")
+
+    try:
+        return trainer.train_on(calls, out, progress)
+    finally:
+        if bar is not None:
+            bar.__exit__(None, None, None)
+
+
+def _prune(state: LoopState, keep: int) -> None:
+    """Keep the last `keep` checkpoints (and the one served, always)."""
+    while len(state.checkpoints) > max(keep, 1):
+        old = state.checkpoints.pop(0)
+        if old != state.checkpoint:
+            shutil.rmtree(old, ignore_errors=True)
+            Path(old.replace("/checkpoints/", "/trainer/") + ".pt").unlink(missing_ok=True)
+
+
+def _mean(xs) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _std(xs) -> float | None:
+    if not xs:
+        return None
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+
+
+def _f(x, spec=".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _iteration_line(r: dict) -> str:
+    return (f"iteration {r['iteration'] + 1} (policy v{r['policy_version']}): reward {_f(r['reward_mean'])} "
+            f"+- {_f(r['reward_std'])}, held-out {_f(r['eval_reward_mean'])}; {r['calls']} calls, "
+            f"loss {_f(r.get('loss'), '+.4f')}; rollouts {r['rollout_s']:.0f}s, training {r['train_s']:.0f}s, "
+            f"sync {r['sync_s']:.1f}s")
+
+
+def iteration_table(rows: list[dict]) -> str:
+    head = (f"{'iter':>4} {'ver':>3} {'reward':>7} {'std':>6} {'held-out':>8} {'done':>4} {'fail':>4} "
+            f"{'t/o':>4} {'calls':>5} {'tokens':>7} {'loss':>8} {'clip':>6} {'|dlp|':>6} {'rollout s':>9} "
+            f"{'train s':>7} {'sync s':>6}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['iteration'] + 1:>4} {r['policy_version']:>3} {_f(r['reward_mean']):>7} "
+                     f"{_f(r['reward_std']):>6} {_f(r['eval_reward_mean']):>8} {r['sessions_done']:>4} "
+                     f"{r['sessions_failed']:>4} {r['sessions_timed_out']:>4} {r['calls']:>5} {r['tokens']:>7} "
+                     f"{_f(r['loss'], '+.4f'):>8} {_f(r['clip_frac']):>6} {_f(r['logprob_abs_diff']):>6} "
+                     f"{r['rollout_s']:>9.0f} {r['train_s']:>7.0f} {r['sync_s']:>6.1f}")
+    tasks = sorted({t for r in rows for t in json.loads(r["per_task"] or "{}")})
+    if tasks:
+        lines.append("reward per task: " + "; ".join(
+            f"{t} " + " ".join(_f(json.loads(r["per_task"]).get(t, {}).get("mean"), ".2f") for r in rows)
+            for t in tasks))
+    return "\n".join(lines)
+
+
+def plot_loop(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    its = [r["iteration"] + 1 for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    a.errorbar(its, [r["reward_mean"] for r in rows], yerr=[r["reward_std"] or 0 for r in rows],
+               marker="o", capsize=3, label="training tasks")
+    if any(r["eval_reward_mean"] is not None for r in rows):
+        a.plot(its, [r["eval_reward_mean"] for r in rows], marker="s", label="held-out tasks")
+    a.set(xlabel="iteration", ylabel="mean reward", title="reward")
+    a.legend()
+    b.plot(its, [r["loss"] for r in rows], marker="o")
+    b.set(xlabel="iteration", ylabel="loss", title="GRPO loss (last step)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -104,7 +104,10 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
     tasks = read_tasks(opts.tasks_file, opts.harness, opts.samples)
     eval_tasks = read_tasks(opts.eval_tasks_file, opts.harness, opts.samples) if opts.eval_tasks_file else []
     ensure_harnesses(t.harness for t in [*tasks, *eval_tasks])
-    state = LoopState.load(out) or LoopState(run_id=secrets.token_hex(3))
+    state = LoopState.load(out)
+    if state is None:   # saved at once: a rerun after a kill resumes this run's task ids
+        state = LoopState(run_id=secrets.token_hex(3))
+        state.save(out)
     if state.completed >= opts.iterations:
         echo(f"{out}: {state.completed} iterations already done")
     base = str(opts.model or ensure_default_model(log=echo))
@@ -140,8 +143,10 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
             extra_sets=[f"polar_control_token={token}", f"polar_policy_version={state.version}"])
         services.append(proxy)
         sync = Sync(proxy_port, token)
-        if opts.backend and state.checkpoint:
-            sync(state.checkpoint, state.version)   # a running vLLM serves the version we know
+        if opts.backend:
+            # A running vLLM may hold anything (a run killed mid-sync): it serves the version
+            # this run knows before any call is sampled.
+            sync(state.checkpoint or base, state.version)
         trainer = Trainer(serving, train_cfg, ref_model=base)
         if state.trainer_state:
             trainer.load_state(Path(state.trainer_state))
@@ -188,6 +193,7 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
                 record_version(db, state.run_id, version + 1, str(ckpt))
                 state.version, state.checkpoint, state.trainer_state = version + 1, str(ckpt), str(tstate)
                 state.checkpoints.append(str(ckpt))
+                row.update(sync_drain_s=report["drain_s"], sync_reload_s=report["swap_s"])
                 echo(f"synced policy v{version + 1}: drained {report['drained']} calls, held "
                      f"{report['held']}, reload {report['swap_s']:.2f}s")
             row["sync_s"] = time.monotonic() - t2
@@ -231,7 +237,7 @@ class Sync:
 
 def _check_dev_mode(backend: str) -> None:
     try:
-        r = httpx.post(backend + "/reset_prefix_cache", timeout=30, trust_env=False)
+        r = httpx.post(backend + "/reset_prefix_cache", json={}, timeout=30, trust_env=False)
     except httpx.HTTPError as e:
         raise LoopError(f"the backend {backend} is not answering: {e}") from None
     if r.status_code == 404:

@@ -31,5 +31,9 @@ if [ "${POLAR_SKIP_VLLM:-0}" != 1 ]; then
     .venv-vllm/bin/pip uninstall "${PIP_FLAGS[@]}" -y torchvision torchaudio torchcodec 2>/dev/null || true
   fi
 fi
+# The demo's harness (polar-mitm demo runs Pi), from npm at its pinned version.
+if command -v npm >/dev/null; then
+  .venv/bin/polar-mitm harness install pi >/dev/null || echo "warning: could not install the Pi harness from npm" >&2
+fi
 echo "installed: .venv (polar-mitm, mitmproxy $(.venv/bin/python -c 'import mitmproxy.version as v; print(v.VERSION)'))"
 [ -x .venv-vllm/bin/python ] && echo "installed: .venv-vllm (vLLM)" || true

@@ -24,6 +24,7 @@ class FakeVLLM:
         self.served: list[tuple[float, float, str, str]] = []   # (start, end, weights then, weights after)
         self.reloads: list[tuple[float, float, str]] = []       # (start, end, weights path)
         self.lock = threading.Lock()
+        self.reloading = False
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -48,14 +49,16 @@ class FakeVLLM:
                     self._send(404, b'{"detail":"Not Found"}')
 
             def do_POST(self):
-                body = orjson.loads(self.rfile.read(int(self.headers["content-length"])))
+                body = orjson.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
                 if self.path in ("/collective_rpc", "/reset_prefix_cache", "/update_weight_version"):
                     if not fake.dev_mode:
                         return self._send(404, b'{"detail":"Not Found"}')
                     if self.path == "/collective_rpc":
                         t0 = time.monotonic()
+                        fake.reloading = True
                         time.sleep(fake.reload_delay)
                         fake.weights = body["kwargs"]["weights_path"]
+                        fake.reloading = False
                         fake.reloads.append((t0, time.monotonic(), fake.weights))
                     return self._send(200, b'{"results": [null]}')
                 if self.path == "/tokenize":

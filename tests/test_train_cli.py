@@ -109,3 +109,22 @@ def test_bad_input_is_said_plainly(recorded, tmp_path):
     bad.write_text("{nope\n")
     assert "not JSON" in run("reward", "--db", db, bad, ok=False)
     assert "no database" in run("reward", "--db", tmp_path / "none.duckdb", rewards, ok=False)
+
+
+def test_a_retry_and_the_attempt_it_replaced_are_one_sample(tmp_path):
+    """A node declared lost after it rewarded TASK~1, and the retry TASK~1.r2 rewarded too:
+    the group still has one session per sample (the latest attempt)."""
+    from grpo_data import synthetic_calls, write_calls
+    from polar_mitm.store import set_reward
+    from polar_mitm.store.training import training_calls
+
+    db = tmp_path / "a.duckdb"
+    calls = [c for c in synthetic_calls(tasks=1, seed=0, sessions=2)]
+    retry = [type(c)(**{**{f: getattr(c, f) for f in c.__dataclass_fields__}, "session_id": c.session_id + ".r2"})
+             for c in calls if c.session_id.endswith("~1")]
+    write_calls(db, calls + retry)
+    for sid in {c.session_id for c in calls + retry}:
+        set_reward(db, sid, 1.0, task_id="t0")
+    data = training_calls([db])
+    sessions = {c["session_id"] for c in data.calls}
+    assert sessions == {"t0~0", "t0~1.r2"} and data.skipped["superseded_attempt"] == len(retry)

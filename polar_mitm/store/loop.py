@@ -13,7 +13,8 @@ from .db import writing
 ITERATION_COLUMNS = (
     "run_id", "iteration", "policy_version", "checkpoint", "reward_mean", "reward_std",
     "eval_reward_mean", "sessions_done", "sessions_failed", "sessions_timed_out", "calls", "tokens",
-    "stale_dropped", "loss", "clip_frac", "logprob_abs_diff", "rollout_s", "train_s", "sync_s", "per_task")
+    "stale_dropped", "loss", "clip_frac", "logprob_abs_diff", "rollout_s", "train_s", "sync_s", "sync_drain_s",
+    "sync_reload_s", "per_task")
 
 
 def record_iteration(db: str | os.PathLike, row: dict, steps: Iterable[dict], timeout: float = 120.0) -> None:

@@ -273,6 +273,8 @@ MIGRATIONS: list[str] = [
         rollout_s       DOUBLE,
         train_s         DOUBLE,
         sync_s          DOUBLE,
+        sync_drain_s    DOUBLE,             -- of it: letting the calls in flight finish
+        sync_reload_s   DOUBLE,             -- and vLLM's reload + prefix cache reset
         per_task        JSON,               -- {task: {mean, std, n}}
         finished_at     TIMESTAMPTZ DEFAULT now(),
         PRIMARY KEY (run_id, iteration)

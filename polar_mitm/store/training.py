@@ -15,7 +15,8 @@ import orjson
 from .db import reading, writing
 from .delta import apply_ids
 
-SKIP_REASONS = ("failed", "no_token_ids", "logprobs_mismatch", "no_reward", "missing_base")
+SKIP_REASONS = ("failed", "no_token_ids", "logprobs_mismatch", "no_reward", "missing_base",
+                "superseded_attempt")
 
 
 class TrainingCall(TypedDict):
@@ -110,9 +111,29 @@ def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None 
                 prompt_token_ids=list(prompt), token_ids=list(tokens),
                 logprobs=[float(x) for x in logprobs], finish_reason=finish,
                 policy_version=version, reward=reward))
+    # One session per sample: when a retry (TASK~i.r2) and the attempt it replaced (TASK~i,
+    # rewarded before its node was declared lost) both have rewards, the latest counts, so
+    # a group never holds more rewarded sessions than samples.
+    latest: dict[str, int] = {}
+    for sid in kept_sessions:
+        sample, attempt = _attempt(sid)
+        latest[sample] = max(latest.get(sample, 0), attempt)
+    superseded = {sid for sid in kept_sessions if _attempt(sid)[1] < latest[_attempt(sid)[0]]}
+    if superseded:
+        out.skipped["superseded_attempt"] += sum(c["session_id"] in superseded for c in out.calls)
+        out.calls = [c for c in out.calls if c["session_id"] not in superseded]
+        kept_sessions -= superseded
     out.sessions = len(kept_sessions)
     out.sessions_without_reward = len(unrewarded)
     return out
+
+
+def _attempt(session_id: str) -> tuple[str, int]:
+    """("TASK~i", attempt) of a rollout session id TASK~i[.rN]; other ids are their own."""
+    head, dot, tail = session_id.rpartition(".r")
+    if dot and tail.isdigit() and "~" in head:
+        return head, int(tail)
+    return session_id, 1
 
 
 def set_rewards(db: str | os.PathLike, rewards: Iterable[dict], timeout: float = 30.0) -> int:

@@ -1,0 +1,93 @@
+"""The loop against stand-ins (a dev-mode vLLM stand-in, the fake harness, a tiny random
+model), killed -9 during rollouts, during training and during a sync, then rerun: it
+resumes, every call carries the version of its iteration, no group has more sessions than
+samples, the backend serves the version the loop knows, and no process is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+from fake_vllm import FakeVLLM
+from grpo_data import tiny_model_dir
+from polar_mitm.store import query
+from polar_mitm.store.training import training_calls
+from procs import alive, token, until
+
+HERE = Path(__file__).resolve().parent
+TRAIN = str(Path(sys.executable).parent / "polar-train")
+
+
+class LoopRun:
+    """`polar-train loop` as a child process, its output collected as it comes."""
+
+    def __init__(self, argv: list[str]):
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.output = ""
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for chunk in iter(lambda: self.proc.stdout.read(1), ""):
+            self.output += chunk
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
+    def wait(self, timeout: float) -> int:
+        code = self.proc.wait(timeout)
+        self._reader.join(5)
+        return code
+
+
+def test_the_loop_resumes_after_kill_9_in_every_phase(tmp_path):
+    model = str(tiny_model_dir(tmp_path / "model"))
+    mark = token()
+    harness = f"{sys.executable} {HERE / 'fake_harness.py'} slow:1 2 {mark}"
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n".join(json.dumps({"task_id": t, "instruction": "hi", "timeout": 60, "command": harness,
+                                           "evaluator": "echo $POLAR_SAMPLE"}) for t in ("a", "b")) + "\n")
+    out = tmp_path / "run"
+    with FakeVLLM(delay=0.1, reload_delay=3.0) as fake:
+        argv = [TRAIN, "loop", "--tasks", str(tasks), "--iterations", "2", "--out", str(out),
+                "--harness", "command", "--samples", "2", "--backend", fake.url, "--model", model,
+                "--lr", "1e-3", "--token-budget", "256", "--workers", "2", "--max-tokens", "8", "--keep", "1"]
+        phases = {"rollouts": lambda r: "rollouts (policy v" in r.output,
+                  "training": lambda r: "training" in r.output,
+                  "sync": lambda r: fake.reloading and "synced" not in r.output and "training" in r.output}
+        for phase, ready in phases.items():
+            run = LoopRun(argv)
+            assert until(lambda: ready(run) or run.proc.poll() is not None, 240), run.output[-2000:]
+            assert run.proc.poll() is None, f"finished before the {phase} kill: {run.output[-2000:]}"
+            run.kill()
+            # what it started ends with it (the janitor), harness runs included
+            assert until(lambda: not alive(str(out)) and not alive(mark), 30), (phase, alive(str(out)), alive(mark))
+        run = LoopRun(argv)
+        assert run.wait(600) == 0, run.output[-3000:]
+        assert not alive(str(out)) and not alive(mark)
+        state = json.loads((out / "loop.json").read_text())
+        assert state["completed"] == 2 and state["version"] == 2
+        assert fake.weights == state["checkpoint"]   # the backend serves the version the loop knows
+
+    db = out / "rollouts.duckdb"
+    run_id = state["run_id"]
+    _, rows = query(db, "SELECT session_id, policy_version FROM calls")
+    assert rows
+    for sid, version in rows:   # iteration i's calls were all sampled by version i
+        assert sid.split("@")[1].startswith(f"{run_id}.") and version == sid.split(".")[1].split("~")[0], (sid, version)
+    data = training_calls([db])
+    per_group = Counter()
+    for sid in {c["session_id"] for c in data.calls}:
+        per_group[sid.rsplit("~", 1)[0]] += 1
+    assert per_group and all(n <= 2 for n in per_group.values()), per_group   # never more than samples
+    _, rows = query(db, "SELECT iteration, policy_version FROM loop_iterations ORDER BY 1")
+    assert rows == [(0, 0), (1, 1)]
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["v2"]   # --keep 1

@@ -114,27 +114,30 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _start_stack(db, backend, port, reverse_port, confdir, logs: Path, max_model_len, proxy=True):
+def _start_stack(db, backend, port, reverse_port, confdir, logs: Path, max_model_len, proxy=True,
+                 model: str = "", dtype: str = "float32"):
     services = []
     try:
         return _start_services(services, db, backend, port, reverse_port, confdir, logs, max_model_len,
-                               proxy)
+                               proxy, model, dtype)
     except BaseException:  # e.g. the proxy failed, or SIGTERM, after vLLM started
         for s in reversed(services):
             s.stop()
         raise
 
 
-def _start_services(services, db, backend, port, reverse_port, confdir, logs, max_model_len, proxy):
+def _start_services(services, db, backend, port, reverse_port, confdir, logs, max_model_len, proxy,
+                    model: str = "", dtype: str = "float32"):
     if not backend:
-        model_dir = ensure_default_model(log=click.echo)
+        # model: a checkpoint of the default model (polar-train's) or any HF directory
+        model_dir = model or ensure_default_model(log=click.echo)
         vport = launch.free_port()
-        click.echo(f"starting vLLM ({DEFAULT_MODEL_NAME}) on 127.0.0.1:{vport}; "
+        click.echo(f"starting vLLM ({model_dir}, {dtype}) on 127.0.0.1:{vport}; "
                    f"log {logs / 'vllm.log'} (first start takes minutes on CPU)")
         t0 = time.time()
         services.append(launch.start_vllm(
             model_dir, port=vport, served_name=DEFAULT_MODEL_NAME, log_path=logs / "vllm.log",
-            max_model_len=max_model_len, chat_template=launch.TEMPLATES / "smollm2_tools.jinja"))
+            max_model_len=max_model_len, chat_template=launch.TEMPLATES / "smollm2_tools.jinja", dtype=dtype))
         click.echo(f"vLLM ready after {time.time() - t0:.0f}s")
         backend = f"http://127.0.0.1:{vport}"
     if not proxy:
@@ -151,12 +154,15 @@ def _start_services(services, db, backend, port, reverse_port, confdir, logs, ma
 @click.option("--reverse-port", default=8081, show_default=True, help="Base-URL (reverse) listener")
 @click.option("--confdir", default=os.path.expanduser("~/.mitmproxy"), show_default=True)
 @click.option("--max-model-len", default=8192, show_default=True)
-def up(db, backend, port, reverse_port, confdir, max_model_len):
+@click.option("--model", default="", help="Serve this model directory (a polar-train checkpoint) instead of the default")
+@click.option("--dtype", default="float32", show_default=True, help="vLLM's dtype (the trainer's by default)")
+def up(db, backend, port, reverse_port, confdir, max_model_len, model, dtype):
     """Start vLLM (unless --backend) and the proxy; stop with Ctrl-C or SIGTERM."""
     _stop_on_sigterm()
     logs = cache_dir() / "logs"
     logs.mkdir(mode=0o700, parents=True, exist_ok=True)
-    services, backend = _start_stack(db, backend, port, reverse_port, confdir, logs, max_model_len)
+    services, backend = _start_stack(db, backend, port, reverse_port, confdir, logs, max_model_len,
+                                     model=model, dtype=dtype)
     try:
         click.echo(f"proxy ready: backend {backend}, database {db}\nharness environment:")
         for k, v in launch.proxy_env(port, confdir).items():

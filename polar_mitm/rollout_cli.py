@@ -92,7 +92,9 @@ def register(main: click.Group) -> None:
     @click.option("--workers", default=4, show_default=True, help="RUN slots (and INIT workers)")
     @click.option("--max-tokens", default=512, show_default=True, help="Cap on each call's output tokens")
     @click.option("--port", default=0, help="Rollout server port (0: any free port)")
-    def rollout(tasks_file, harness, samples, db, backend, workers, max_tokens, port):
+    @click.option("--model", default="", help="Serve this model directory (a checkpoint) instead of the default")
+    @click.option("--dtype", default="float32", show_default=True, help="vLLM's dtype (the trainer's by default)")
+    def rollout(tasks_file, harness, samples, db, backend, workers, max_tokens, port, model, dtype):
         """Run a task file end to end on this machine: model, proxy, rollout server, one node."""
         from .cli import _start_stack, _stop_on_sigterm
         tasks = read_tasks(tasks_file, harness, samples)
@@ -106,7 +108,7 @@ def register(main: click.Group) -> None:
         try:
             if not backend:
                 services, backend = _start_stack(db, "", launch.free_port(), None, work / "mitmproxy",
-                                                 work, 8192, proxy=False)
+                                                 work, 8192, proxy=False, model=model, dtype=dtype)
             server = RolloutServer(db, port=port).start()
             proxy, node = start_node_stack(db=db, backend=backend, work=work, proxy_port=launch.free_port(),
                                            workers=workers, max_tokens=max_tokens, server_url=server.url)

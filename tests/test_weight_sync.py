@@ -134,3 +134,19 @@ async def test_the_gate_holds_new_calls_until_the_swap_is_done():
     assert gate.version == 4   # the old version still serves
     async with gate.call() as v:
         assert v == 4
+
+
+def test_a_call_its_client_gave_up_on_is_recorded_as_abandoned(start_proxy):
+    with FakeVLLM(delay=2.0) as fake:
+        proxy = start_proxy(fake.url, ["polar_stream_keepalive=0"])
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(proxy.base_url + "/v1/chat/completions", timeout=0.5, trust_env=False,
+                       headers={"authorization": "Bearer polar-gone~0"},
+                       json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        time.sleep(2.5)   # the backend answers after the client left
+        ok = httpx.post(proxy.base_url + "/v1/chat/completions", timeout=10, trust_env=False,
+                        headers={"authorization": "Bearer polar-stayed~0"},
+                        json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        assert ok.status_code == 200
+    rows = query(proxy.db, "SELECT session_id, status_code, error_kind FROM calls ORDER BY session_id")[1]
+    assert rows == [("gone~0", 200, "abandoned"), ("stayed~0", 200, None)]

@@ -272,6 +272,9 @@ class ModelCalls:
                           error_kind=kind)
             if "prompt_token_ids" not in record:   # rejected before any tokens: keep a bounded head
                 record["request_text"] = bounded(record["request_text"])
+        if record.get("error") is None and flow.client_conn.timestamp_end is not None:
+            # The harness gave up (its timeout, or it was stopped): kept, never trained on.
+            record.update(error="the client went away before the answer", error_kind="abandoned")
         record["_t0"] = t0   # the writer stamps total_ms at the durable append the harness waits for
         try:
             await self._ensure_writer().submit_async(session, record)

@@ -15,7 +15,7 @@ import orjson
 from .db import reading, writing
 from .delta import apply_ids
 
-SKIP_REASONS = ("failed", "no_token_ids", "logprobs_mismatch", "no_reward", "missing_base",
+SKIP_REASONS = ("failed", "abandoned", "no_token_ids", "logprobs_mismatch", "no_reward", "missing_base",
                 "superseded_attempt")
 
 
@@ -45,7 +45,8 @@ class TrainingData:
 _SQL = """
 SELECT c.session_id, s.task_id, c.seq, c.call_id, c.base_call, c.prompt_shared,
        c.prompt_suffix, c.token_ids, c.logprobs, c.finish_reason, c.policy_version, s.reward,
-       c.error IS NOT NULL OR coalesce(c.status_code, 200) >= 400 AS failed
+       CASE WHEN c.error_kind = 'abandoned' THEN 'abandoned'
+            WHEN c.error IS NOT NULL OR coalesce(c.status_code, 200) >= 400 THEN 'failed' END AS failed
 FROM call_records c LEFT JOIN sessions s USING (session_id)
 WHERE {where}
 ORDER BY c.session_id, c.seq
@@ -92,8 +93,8 @@ def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None 
                     out.skipped["missing_base"] += 1
                     continue
             ids[call_id] = (prompt, tokens or [])
-            if failed:
-                out.skipped["failed"] += 1
+            if failed:   # 'failed', or 'abandoned' (the harness gave up on the call)
+                out.skipped[failed] += 1
                 continue
             if not prompt or not tokens:
                 out.skipped["no_token_ids"] += 1

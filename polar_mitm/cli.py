@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -14,8 +13,9 @@ from pathlib import Path
 import click
 
 from . import launch
-from .models import DEFAULT_MODEL_NAME, cache_dir, ensure_default_model
+from .models import cache_dir
 from .rollout_cli import register as register_rollout
+from .stack import start_stack, stop_on_sigterm
 from .store import export_parquet, query
 
 
@@ -102,51 +102,6 @@ def addon_path():
     click.echo(launch.ADDON_FILE)
 
 
-def _stop_on_sigterm() -> None:
-    """SIGTERM (systemd, docker, kill) stops the children as Ctrl-C does; by default it would
-    end this process at once and leave mitmdump listening and holding the database."""
-    def interrupt(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)   # once: the cleanup must not be cut short
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, interrupt)
-    # Ctrl-C too, even when started with SIGINT ignored (a background job of a script):
-    # Python then keeps it ignored, and the stack could only be stopped by SIGTERM.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def _start_stack(db, backend, port, reverse_port, confdir, logs: Path, max_model_len, proxy=True,
-                 model: str = "", dtype: str = "float32"):
-    services = []
-    try:
-        return _start_services(services, db, backend, port, reverse_port, confdir, logs, max_model_len,
-                               proxy, model, dtype)
-    except BaseException:  # e.g. the proxy failed, or SIGTERM, after vLLM started
-        for s in reversed(services):
-            s.stop()
-        raise
-
-
-def _start_services(services, db, backend, port, reverse_port, confdir, logs, max_model_len, proxy,
-                    model: str = "", dtype: str = "float32"):
-    if not backend:
-        # model: a checkpoint of the default model (polar-train's) or any HF directory
-        model_dir = model or ensure_default_model(log=click.echo)
-        vport = launch.free_port()
-        click.echo(f"starting vLLM ({model_dir}, {dtype}) on 127.0.0.1:{vport}; "
-                   f"log {logs / 'vllm.log'} (first start takes minutes on CPU)")
-        t0 = time.time()
-        services.append(launch.start_vllm(
-            model_dir, port=vport, served_name=DEFAULT_MODEL_NAME, log_path=logs / "vllm.log",
-            max_model_len=max_model_len, chat_template=launch.TEMPLATES / "smollm2_tools.jinja", dtype=dtype))
-        click.echo(f"vLLM ready after {time.time() - t0:.0f}s")
-        backend = f"http://127.0.0.1:{vport}"
-    if not proxy:
-        return services, backend
-    services.append(launch.start_proxy(db=db, backend=backend, port=port, confdir=confdir,
-                                       log_path=logs / "mitmdump.log", reverse_port=reverse_port))
-    return services, backend
-
-
 @main.command()
 @click.option("--db", default="rollouts.duckdb", show_default=True)
 @click.option("--backend", default="", help="Use this vLLM server instead of starting the default model")
@@ -158,10 +113,10 @@ def _start_services(services, db, backend, port, reverse_port, confdir, logs, ma
 @click.option("--dtype", default="float32", show_default=True, help="vLLM's dtype (the trainer's by default)")
 def up(db, backend, port, reverse_port, confdir, max_model_len, model, dtype):
     """Start vLLM (unless --backend) and the proxy; stop with Ctrl-C or SIGTERM."""
-    _stop_on_sigterm()
+    stop_on_sigterm()
     logs = cache_dir() / "logs"
     logs.mkdir(mode=0o700, parents=True, exist_ok=True)
-    services, backend = _start_stack(db, backend, port, reverse_port, confdir, logs, max_model_len,
+    services, backend = start_stack(db, backend, port, reverse_port, confdir, logs, max_model_len,
                                      model=model, dtype=dtype)
     try:
         click.echo(f"proxy ready: backend {backend}, database {db}\nharness environment:")
@@ -194,7 +149,7 @@ def demo(sdk, out, iterations, db, backend, max_tokens):
     if not sdk:
         from .grpo.config import TrainConfig
         from .loop import LoopOptions, run_loop
-        _stop_on_sigterm()
+        stop_on_sigterm()
         opts = LoopOptions(tasks_file=str(DEMO_TASKS / "arithmetic.jsonl"), iterations=iterations,
                            out=Path(out), harness="pi", samples=4, backend=backend or None,
                            eval_tasks_file=str(DEMO_TASKS / "arithmetic_heldout.jsonl"), workers=4,
@@ -205,10 +160,10 @@ def demo(sdk, out, iterations, db, backend, max_tokens):
     max_tokens = max_tokens or 24
     from .demo import SUMMARY_SQL, drive
 
-    _stop_on_sigterm()
+    stop_on_sigterm()
     work = Path(tempfile.mkdtemp(prefix="polar-demo-"))
     port, reverse_port = launch.free_ports(2)
-    services, backend = _start_stack(db, backend, port, reverse_port, work / "mitmproxy", work, 8192)
+    services, backend = start_stack(db, backend, port, reverse_port, work / "mitmproxy", work, 8192)
     try:
         click.echo("driving the official SDKs through the proxy (HTTPS_PROXY and base URL)")
         for r in drive(port, reverse_port, work / "mitmproxy", max_tokens):

@@ -92,7 +92,7 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
     from .grpo.rollouts import calls_from_records
     from .grpo.train import Trainer, TrainError
     from .models import DEFAULT_MODEL_NAME, ensure_default_model
-    from .rollout_cli import ensure_harnesses, read_tasks, start_node_stack
+    from .stack import ensure_harnesses, read_tasks, start_node_stack
 
     out = opts.out.resolve()
     out.mkdir(parents=True, exist_ok=True)

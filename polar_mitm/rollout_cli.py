@@ -8,37 +8,12 @@ import time
 from pathlib import Path
 
 import click
-import orjson
 
 from . import launch
-from .rollout import GatewayNode, NodeConfig, RolloutServer, TaskError, parse_task
+from .rollout import RolloutServer
 from .rollout import harnesses
-from .rollout.runtime import LocalRuntime
 from .rollout.server import ORDER
-
-
-def read_tasks(path: str, harness: str | None, samples: int | None) -> list:
-    tasks = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip() or line.lstrip().startswith("#"):
-                continue
-            try:
-                tasks.append(parse_task(orjson.loads(line), harness=harness, samples=samples))
-            except (orjson.JSONDecodeError, TaskError) as e:
-                raise click.ClickException(f"{path}:{n}: {e}")
-    if not tasks:
-        raise click.ClickException(f"{path}: no tasks")
-    return tasks
-
-
-def ensure_harnesses(names) -> None:
-    for name in sorted(set(names) - {"command"}):
-        try:
-            harnesses.executable(name)
-        except harnesses.HarnessMissing:
-            click.echo(f"installing {name} ({harnesses.PACKAGES[name].npm}@{harnesses.PACKAGES[name].version})")
-            harnesses.install(name)
+from .stack import ensure_harnesses, read_tasks, start_node_stack, start_stack, stop_on_sigterm
 
 
 def progress_line(status: dict, t0: float) -> str:
@@ -64,23 +39,6 @@ def print_summary(server: RolloutServer, task_ids: list[str]) -> None:
                 click.echo(f"  {s['session_id']}: {(s['reason'] or '')[:160]}")
 
 
-def start_node_stack(*, db: str, backend: str, work: Path, proxy_port: int, workers: int,
-                     max_tokens: int | None, server_url: str, node_id: str | None = None,
-                     extra_sets: list[str] | None = None):
-    """The proxy (mitmdump) and a gateway node around it; returns (proxy service, node)."""
-    sets = [f"polar_sampling=max_tokens={max_tokens}"] if max_tokens else []
-    sets += extra_sets or []
-    confdir = work / "mitmproxy"
-    proxy = launch.start_proxy(db=db, backend=backend, port=proxy_port, confdir=confdir,
-                               log_path=work / "mitmdump.log", extra_sets=sets)
-    cfg = NodeConfig(server_url=server_url, proxy_port=proxy_port, ca_path=str(confdir / "mitmproxy-ca-cert.pem"),
-                     db=db, init_workers=workers, run_workers=workers, post_workers=max(1, workers // 2))
-    if node_id:
-        cfg.node_id = node_id
-    node = GatewayNode(cfg, runtime=LocalRuntime(work / "sessions")).start()
-    return proxy, node
-
-
 def register(main: click.Group) -> None:
     @main.command()
     @click.argument("tasks_file", type=click.Path(exists=True, dir_okay=False))
@@ -96,10 +54,9 @@ def register(main: click.Group) -> None:
     @click.option("--dtype", default="float32", show_default=True, help="vLLM's dtype (the trainer's by default)")
     def rollout(tasks_file, harness, samples, db, backend, workers, max_tokens, port, model, dtype):
         """Run a task file end to end on this machine: model, proxy, rollout server, one node."""
-        from .cli import _start_stack, _stop_on_sigterm
         tasks = read_tasks(tasks_file, harness, samples)
         ensure_harnesses(t.harness for t in tasks)
-        _stop_on_sigterm()
+        stop_on_sigterm()
         work = Path(os.environ.get("POLAR_ROLLOUT_WORK") or
                     Path(db).resolve().parent / f".{Path(db).name}.rollout")
         work.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -107,7 +64,7 @@ def register(main: click.Group) -> None:
         server = node = None
         try:
             if not backend:
-                services, backend = _start_stack(db, "", launch.free_port(), None, work / "mitmproxy",
+                services, backend = start_stack(db, "", launch.free_port(), None, work / "mitmproxy",
                                                  work, 8192, proxy=False, model=model, dtype=dtype)
             server = RolloutServer(db, port=port).start()
             proxy, node = start_node_stack(db=db, backend=backend, work=work, proxy_port=launch.free_port(),
@@ -151,8 +108,7 @@ def register(main: click.Group) -> None:
     @click.option("--node-timeout", default=10.0, show_default=True, help="Seconds without a heartbeat")
     def rollout_server(db, host, port, node_timeout):
         """Serve the rollout API (POST /tasks, GET /tasks/ID, POST /tasks/ID/cancel, GET /status)."""
-        from .cli import _stop_on_sigterm
-        _stop_on_sigterm()
+        stop_on_sigterm()
         server = RolloutServer(db, host=host, port=port, node_timeout=node_timeout).start()
         click.echo(f"rollout server on {server.url}, state in {db}")
         try:
@@ -173,8 +129,7 @@ def register(main: click.Group) -> None:
     @click.option("--node-id", default=None)
     def node(server_url, backend, db, proxy_port, workers, max_tokens, node_id):
         """Run a gateway node: the proxy plus the INIT, RUN and POST_RUN pools."""
-        from .cli import _stop_on_sigterm
-        _stop_on_sigterm()
+        stop_on_sigterm()
         work = Path(db).resolve().parent / f".{Path(db).name}.node"
         work.mkdir(mode=0o700, parents=True, exist_ok=True)
         proxy, gw = start_node_stack(db=db, backend=backend, work=work,

@@ -8,6 +8,8 @@ TASK~SAMPLE puts the session in TASK's GRPO group."""
 
 from __future__ import annotations
 
+from polar_mitm.session_ids import TASK_SEPARATOR, task_of  # noqa: F401 - the rule's one place
+
 import base64
 import binascii
 import hashlib
@@ -15,7 +17,6 @@ import re
 from typing import Mapping
 
 SESSION_KEY_PREFIX = "polar-"
-TASK_SEPARATOR = "~"
 SCHEMES = ("auto", "proxy-user", "api-key", "client")
 _SAFE = re.compile(r"[^A-Za-z0-9._~+=@:/-]")
 
@@ -58,11 +59,6 @@ def key_session(key: str, salt: str) -> tuple[str, str]:
 
 def clean(name: str) -> str:
     return _SAFE.sub("_", name)[:200]
-
-
-def task_of(session_id: str) -> str | None:
-    task, sep, _ = session_id.rpartition(TASK_SEPARATOR)
-    return task if sep and task else None
 
 
 def user_agent_product(user_agent: str) -> str:

@@ -32,7 +32,7 @@ import duckdb
 import orjson
 
 from .calllog import Position, drop_loaded, log_dir, read_lines
-from .db import StoreBusy, connect
+from .connection import StoreBusy, connect
 from .lines import LINE_COLUMNS, LINE_MARK, SESSION_COLUMNS, call_id, dumps, loads, session_id, upgrade
 from .schema import RECORD_COLUMNS
 

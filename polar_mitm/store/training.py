@@ -13,6 +13,7 @@ from typing import Iterable, TypedDict
 import orjson
 
 from .db import reading, writing
+from ..session_ids import attempt_of, task_of
 from .delta import apply_ids
 
 SKIP_REASONS = ("failed", "abandoned", "no_token_ids", "logprobs_mismatch", "no_reward", "missing_base",
@@ -117,9 +118,9 @@ def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None 
     # a group never holds more rewarded sessions than samples.
     latest: dict[str, int] = {}
     for sid in kept_sessions:
-        sample, attempt = _attempt(sid)
+        sample, attempt = attempt_of(sid)
         latest[sample] = max(latest.get(sample, 0), attempt)
-    superseded = {sid for sid in kept_sessions if _attempt(sid)[1] < latest[_attempt(sid)[0]]}
+    superseded = {sid for sid in kept_sessions if attempt_of(sid)[1] < latest[attempt_of(sid)[0]]}
     if superseded:
         out.skipped["superseded_attempt"] += sum(c["session_id"] in superseded for c in out.calls)
         out.calls = [c for c in out.calls if c["session_id"] not in superseded]
@@ -129,19 +130,9 @@ def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None 
     return out
 
 
-def _attempt(session_id: str) -> tuple[str, int]:
-    """("TASK~i", attempt) of a rollout session id TASK~i[.rN]; other ids are their own."""
-    head, dot, tail = session_id.rpartition(".r")
-    if dot and tail.isdigit() and "~" in head:
-        return head, int(tail)
-    return session_id, 1
-
-
 def set_rewards(db: str | os.PathLike, rewards: Iterable[dict], timeout: float = 30.0) -> int:
     """Set sessions.reward from {session_id, reward[, info]} records; returns how many.
     A session not seen yet is created (with its TASK~SAMPLE task)."""
-    from ..addons.sessions import task_of  # pure string helper, no mitmproxy import
-
     rows = []
     for i, r in enumerate(rewards):
         if not isinstance(r, dict) or not isinstance(r.get("session_id"), str):
@@ -163,3 +154,4 @@ def set_rewards(db: str | os.PathLike, rewards: Iterable[dict], timeout: float =
             "task_id = coalesce(sessions.task_id, excluded.task_id)", rows)
         con.execute("COMMIT")
     return len(rows)
+

@@ -92,7 +92,7 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
     from .grpo.rollouts import calls_from_records
     from .grpo.train import Trainer, TrainError
     from .models import DEFAULT_MODEL_NAME, ensure_default_model
-    from .stack import ensure_harnesses, read_tasks, start_node_stack
+    from .stack import ensure_harnesses, read_tasks, start_node_stack, stop_stack
 
     out = opts.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -210,12 +210,7 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
             echo(f"database {db}; plot {out / 'loop.png'}")
         return rows
     finally:
-        if node:
-            node.stop()
-        if server:
-            server.stop()
-        for s in reversed(services):
-            s.stop()
+        stop_stack(node, server, services)
         os.close(lock)
 
 
@@ -374,6 +369,8 @@ def plot_loop(rows: list[dict], path: Path) -> None:
     a.legend()
     b.plot(its, [r["loss"] for r in rows], marker="o")
     b.set(xlabel="iteration", ylabel="loss", title="GRPO loss (last step)")
+    for ax in (a, b):
+        ax.set_xticks(its)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

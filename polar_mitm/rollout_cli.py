@@ -13,7 +13,8 @@ from . import launch
 from .rollout import RolloutServer
 from .rollout import harnesses
 from .rollout.server import ORDER
-from .stack import ensure_harnesses, read_tasks, start_node_stack, start_stack, stop_on_sigterm
+from .stack import (ensure_harnesses, read_tasks, start_node_stack, start_stack, stop_on_sigterm,
+                    stop_stack)
 
 
 def progress_line(status: dict, t0: float) -> str:
@@ -94,12 +95,7 @@ def register(main: click.Group) -> None:
             click.echo("interrupted: sessions in flight were stopped and go back in the queue; "
                        "rerun the same command to resume")
         finally:
-            if node:
-                node.stop()
-            if server:
-                server.stop()
-            for s in reversed(services):
-                s.stop()
+            stop_stack(node, server, services)
 
     @main.command("rollout-server")
     @click.option("--db", default="rollouts.duckdb", show_default=True)

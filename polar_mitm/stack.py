@@ -104,3 +104,11 @@ def start_node_stack(*, db: str, backend: str, work: Path, proxy_port: int, work
     return proxy, node
 
 
+def stop_stack(node, server, services) -> None:
+    """Stop a node, a rollout server and services, in the reverse order of their start."""
+    if node:
+        node.stop()
+    if server:
+        server.stop()
+    for s in reversed(services):
+        s.stop()

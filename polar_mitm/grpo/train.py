@@ -53,7 +53,9 @@ def dist_env() -> tuple[int, int]:
 
 def load_model(model_dir: str | os.PathLike, device: torch.device, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()   # a bar per load would drown the loop's own progress
     path = Path(model_dir)
     if not (path / "config.json").exists():
         raise TrainError(f"no Hugging Face model at {path} (config.json missing)")

@@ -56,6 +56,7 @@ class LoopOptions:
     keep: int = 2                         # checkpoints kept (~517 MB each for the default model)
     dtype: str = "float32"                # vLLM's: the trainer's, so every update reaches it
     max_model_len: int = 8192
+    max_staleness: int = 0                # K: calls of versions >= v - K are trained (K >= 1: async)
 
 
 @dataclass
@@ -160,13 +161,19 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
             _wait_rollouts(server, train_ids + eval_ids, services, f"iteration {it + 1}/{opts.iterations} "
                            f"rollouts (policy v{version})")
             rollout_s = time.monotonic() - t0
+            if opts.max_staleness >= 1 and it + 1 < opts.iterations:
+                # The next iteration's rollouts run while this one trains and syncs: sampled by
+                # version v until the sync, v + 1 after it (each call knows which).
+                _submit(server, tasks, f"@{state.run_id}.{it + 1}")
+                _submit(server, eval_tasks, f"@{state.run_id}.{it + 1}.eval")
             groups = {tid: server.group(tid) for tid in train_ids}
             finals = [s for g in groups.values() for s in g["sessions"]]   # one per sample: retries replace
             zero_unrewarded(db, [s["session_id"] for s in finals if s["state"] in ("failed", "timed_out")],
                             "the harness failed (on_failure: zero)")
             data = training_calls([db], sessions=[s["session_id"] for s in finals])
             calls = calls_from_records(data.calls)
-            fresh = [c for c in calls if c.policy_version == str(version)]   # --max-staleness 0
+            # trained: calls at most max_staleness versions behind the policy now trained
+            fresh = [c for c in calls if _version_of(c) >= version - opts.max_staleness]
             row = _rollout_row(state.run_id, it, version, groups, eval_ids, server, fresh, len(calls) - len(fresh))
             row["rollout_s"] = rollout_s
 
@@ -311,6 +318,14 @@ def _prune(state: LoopState, keep: int) -> None:
         if old != state.checkpoint:
             shutil.rmtree(old, ignore_errors=True)
             Path(old.replace("/checkpoints/", "/trainer/") + ".pt").unlink(missing_ok=True)
+
+
+def _version_of(call) -> int:
+    """The policy version that sampled a call (the gateway's integer); -1 if unknown."""
+    try:
+        return int(call.policy_version)
+    except (TypeError, ValueError):
+        return -1
 
 
 def _mean(xs) -> float | None:

@@ -204,20 +204,19 @@ def format_builders(rows: list[dict]) -> str:
 @click.option("--max-tokens", default=512, show_default=True, help="Cap on each call's output tokens")
 @click.option("--keep", default=2, show_default=True, help="Checkpoints kept")
 @click.option("--dtype", default="float32", show_default=True, help="vLLM's dtype (the trainer's by default)")
-@click.option("--max-staleness", default=0, show_default=True,
-              help="Policy versions a trained call may lag (only 0, synchronous, for now)")
+@click.option("--max-staleness", default=0, show_default=True, type=click.IntRange(0),
+              help="Policy versions a trained call may lag: 0 is synchronous; with K >= 1 the next "
+                   "iteration's rollouts run while this one trains")
 @trainer_options
 def loop(tasks_file, iterations, out, harness, samples, model, backend, eval_tasks_file, workers, max_tokens,
          keep, dtype, max_staleness, **options):
     """The closed loop: rollouts through a real harness, GRPO, the new weights synced into the
     running vLLM, the next rollouts."""
     from .loop import LoopOptions, run_loop
-    if max_staleness != 0:
-        _die("--max-staleness above 0 (rollouts during training) is not built yet; use 0")
     opts = LoopOptions(tasks_file=tasks_file, iterations=iterations, out=Path(out), harness=harness,
                        samples=samples, model=model or None, backend=backend or None,
                        eval_tasks_file=eval_tasks_file, workers=workers, max_tokens=max_tokens, keep=keep,
-                       dtype=dtype)
+                       dtype=dtype, max_staleness=max_staleness)
     run_loop(opts, train_config(**options))
 
 

@@ -91,3 +91,27 @@ def test_the_loop_resumes_after_kill_9_in_every_phase(tmp_path):
     _, rows = query(db, "SELECT iteration, policy_version FROM loop_iterations ORDER BY 1")
     assert rows == [(0, 0), (1, 1)]
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["v2"]   # --keep 1
+
+
+def test_with_max_staleness_1_the_next_rollouts_run_during_training(tmp_path):
+    """K=1: iteration i+1's sessions start while iteration i trains, so its calls carry
+    version i or i+1 (whichever sampled them), and all of them are trained (none dropped)."""
+    model = str(tiny_model_dir(tmp_path / "model"))
+    harness = f"{sys.executable} {HERE / 'fake_harness.py'} ok 3"
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n".join(json.dumps({"task_id": t, "instruction": "hi", "timeout": 60, "command": harness,
+                                           "evaluator": "echo $POLAR_SAMPLE"}) for t in ("a", "b")) + "\n")
+    out = tmp_path / "run"
+    with FakeVLLM(delay=0.3, reload_delay=0.2) as fake:
+        run = LoopRun([TRAIN, "loop", "--tasks", str(tasks), "--iterations", "3", "--out", str(out),
+                       "--harness", "command", "--samples", "2", "--backend", fake.url, "--model", model,
+                       "--lr", "1e-3", "--token-budget", "256", "--workers", "4", "--max-tokens", "8",
+                       "--max-staleness", "1"])
+        assert run.wait(600) == 0, run.output[-3000:]
+    db = out / "rollouts.duckdb"
+    _, rows = query(db, "SELECT session_id, policy_version FROM calls")
+    for sid, version in rows:
+        it = int(sid.split("@")[1].split(".")[1].split("~")[0])
+        assert int(version) in (it - 1, it) if it else int(version) == 0, (sid, version)
+    _, rows = query(db, "SELECT iteration, policy_version, stale_dropped, calls FROM loop_iterations ORDER BY 1")
+    assert [r[:3] for r in rows] == [(0, 0, 0), (1, 1, 0), (2, 2, 0)] and all(r[3] > 0 for r in rows)

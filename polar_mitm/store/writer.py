@@ -28,7 +28,8 @@ from collections import deque
 from dataclasses import asdict
 
 from .calllog import LogAppender, Position, log_dir, read_lines
-from .db import LOADER_FILE, READY_SUFFIX, StoreBusy, init_db, pending_requests, readers_dir, writing
+from .db import (LOADER_FILE, READY_SUFFIX, StoreBusy, init_db, loader_running, pending_requests,
+                 readers_dir, writing)
 from .delta import DeltaCache
 from .lines import dumps, jsonable, loads, stored_row
 from .loader import (DB_ID_KEY, POSITION_KEY, ROW_GROUP_ROWS, TAIL, Loader, LoaderConfig,  # noqa: F401
@@ -103,10 +104,17 @@ class CallWriter:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         # One writer per database: a second one's loader would delete the first one's live
         # log segments once it had loaded past them. Held until close, or the process dies.
-        with writer_lock(directory) as fd:
-            if fd is None:
+        # A reader catching up a killed proxy's log holds the lock for a while: wait for it;
+        # a live proxy (its loader marker names a live process) is refused at once.
+        deadline = time.monotonic() + max(self.lock_timeout, 30)
+        while self._lock_fd is None:
+            with writer_lock(directory) as fd:
+                if fd is not None:
+                    self._lock_fd = os.dup(fd)   # the dup shares the lock; it outlives the with
+                    break
+            if loader_running(self.db_path) or time.monotonic() >= deadline:
                 raise StoreBusy(f"another proxy is already writing to {self.db_path}")
-            self._lock_fd = os.dup(fd)   # the dup shares the lock; it outlives the with
+            time.sleep(0.05)
         self.salt = init_db(self.db_path, timeout=max(self.lock_timeout, 30))
         with writing(self.db_path, timeout=max(self.lock_timeout, 30)) as con:
             row = con.execute("SELECT value FROM meta WHERE key = ?", [DB_ID_KEY]).fetchone()

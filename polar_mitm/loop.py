@@ -33,7 +33,7 @@ import click
 import httpx
 
 from . import launch
-from .rollout import GatewayNode, RolloutServer  # noqa: F401 - the types this drives
+from .rollout import RolloutServer
 from .rollout.server import TERMINAL
 from .store import init_db
 from .store.loop import iterations as stored_iterations
@@ -123,8 +123,7 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
         # the stack, once ------------------------------------------------------------------------
         serving = state.checkpoint or base
         if opts.backend:
-            backend = opts.backend.rstrip("/")
-            _check_dev_mode(backend)
+            backend = opts.backend.rstrip("/")   # its dev mode is checked by the first sync below
         else:
             port = launch.free_port()
             echo(f"starting vLLM on 127.0.0.1:{port} serving {serving} (policy version {state.version}, "
@@ -235,16 +234,6 @@ class Sync:
         if r.status_code != 200:
             raise LoopError(f"the weight sync to version {version} failed: {r.text[:500]}")
         return r.json()
-
-
-def _check_dev_mode(backend: str) -> None:
-    try:
-        r = httpx.post(backend + "/reset_prefix_cache", json={}, timeout=30, trust_env=False)
-    except httpx.HTTPError as e:
-        raise LoopError(f"the backend {backend} is not answering: {e}") from None
-    if r.status_code == 404:
-        raise LoopError(f"the backend {backend} has no dev-mode endpoints, so its weights cannot be "
-                        "updated: start vLLM with VLLM_SERVER_DEV_MODE=1")
 
 
 def _submit(server, tasks, suffix: str) -> list[str]:

@@ -48,13 +48,19 @@ class LoopRun:
         return code
 
 
-def test_the_loop_resumes_after_kill_9_in_every_phase(tmp_path):
-    model = str(tiny_model_dir(tmp_path / "model"))
-    mark = token()
-    harness = f"{sys.executable} {HERE / 'fake_harness.py'} slow:1 2 {mark}"
+def fake_tasks(tmp_path: Path, harness_args: str) -> Path:
+    """Two tasks run by the fake harness (its arguments given), the sample index as reward."""
+    harness = f"{sys.executable} {HERE / 'fake_harness.py'} {harness_args}"
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("\n".join(json.dumps({"task_id": t, "instruction": "hi", "timeout": 60, "command": harness,
                                            "evaluator": "echo $POLAR_SAMPLE"}) for t in ("a", "b")) + "\n")
+    return tasks
+
+
+def test_the_loop_resumes_after_kill_9_in_every_phase(tmp_path):
+    model = str(tiny_model_dir(tmp_path / "model"))
+    mark = token()
+    tasks = fake_tasks(tmp_path, f"slow:1 2 {mark}")
     out = tmp_path / "run"
     with FakeVLLM(delay=0.1, reload_delay=3.0) as fake:
         argv = [TRAIN, "loop", "--tasks", str(tasks), "--iterations", "2", "--out", str(out),
@@ -97,10 +103,7 @@ def test_with_max_staleness_1_the_next_rollouts_run_during_training(tmp_path):
     """K=1: iteration i+1's sessions start while iteration i trains, so its calls carry
     version i or i+1 (whichever sampled them), and all of them are trained (none dropped)."""
     model = str(tiny_model_dir(tmp_path / "model"))
-    harness = f"{sys.executable} {HERE / 'fake_harness.py'} ok 3"
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("\n".join(json.dumps({"task_id": t, "instruction": "hi", "timeout": 60, "command": harness,
-                                           "evaluator": "echo $POLAR_SAMPLE"}) for t in ("a", "b")) + "\n")
+    tasks = fake_tasks(tmp_path, "ok 3")
     out = tmp_path / "run"
     with FakeVLLM(delay=0.3, reload_delay=0.2) as fake:
         run = LoopRun([TRAIN, "loop", "--tasks", str(tasks), "--iterations", "3", "--out", str(out),

@@ -212,12 +212,11 @@ def _from_backend(resp: dict, choice: dict, msg: dict, request: dict) -> tuple[d
                   "completion_tokens": int(usage.get("completion_tokens") or len(token_ids))},
     }
     lp = (choice.get("logprobs") or {}).get("content") or []
-    versions = choice.get("weight_versions") or []
+    # (the policy version is the gateway's own: addons/policy_gate.py, not the backend's)
     tokens = {
         "prompt_token_ids": resp.get("prompt_token_ids") or [],
         "token_ids": token_ids,
         "logprobs": [float(t.get("logprob", 0.0)) for t in lp],
-        "policy_version": ",".join(str(v.get("version")) for v in versions) or None,
         "prompt_text": resp.get("prompt_text"),
     }
     return result, tokens

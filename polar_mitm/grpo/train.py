@@ -313,8 +313,6 @@ def train(calls: Sequence[Call], model_dir: str | os.PathLike, out_dir: str | os
           cfg: TrainConfig = TrainConfig(), progress: Callable[[int, int, dict], None] | None = None,
           save: bool = True) -> dict:
     """One training call (polar-train train): a Trainer used once, then its checkpoint."""
-    if cfg.builder not in BUILDERS:
-        raise TrainError(f"unknown builder {cfg.builder!r}")
     if not any(c.reward is not None for c in calls):
         raise TrainError("no rewarded sessions to train on (set rewards with `polar-train reward`)")
     trainer = Trainer(model_dir, cfg)

@@ -31,7 +31,7 @@ from typing import Iterator
 import duckdb
 import orjson
 
-from .calllog import Position, drop_loaded, log_dir, read_lines
+from .calllog import Position, drop_loaded, log_dir, read_lines, segment_ids, segment_path
 from .connection import StoreBusy, connect
 from .lines import LINE_COLUMNS, LINE_MARK, SESSION_COLUMNS, call_id, dumps, loads, session_id, upgrade
 from .schema import RECORD_COLUMNS
@@ -182,7 +182,7 @@ class Loader:
             batch, end = read_batch(self.dir, scratch, start, target, ack_ms, chunk=cfg.read_bytes,
                                     max_lines=ROW_GROUP_ROWS if group else ROW_GROUP_ROWS - 1,
                                     max_bytes=cfg.group_bytes)
-            if group and not batch.whole and batch.bytes > cfg.read_bytes:
+            if group and not batch.whole and batch.bytes >= cfg.group_bytes:
                 # A row group of lines past group_bytes: the tail takes them a quarter of
                 # that at a time (far fewer checkpoints of its growing row group than
                 # read_bytes would make), with memory for that row group.
@@ -263,9 +263,14 @@ def _restore(ack_ms: dict | None, acks: dict | None) -> None:
         ack_ms.update(acks)   # the retry stamps them again
 
 
+def meta_value(con, key: str) -> str | None:
+    row = con.execute("SELECT value FROM meta WHERE key = ?", [key]).fetchone()
+    return row[0] if row else None
+
+
 def stored_position(con) -> Position:
-    row = con.execute("SELECT value FROM meta WHERE key = ?", [POSITION_KEY]).fetchone()
-    return Position.decode(row[0] if row else None)
+    """How far the log is in the database (committed with the rows it covers)."""
+    return Position.decode(meta_value(con, POSITION_KEY))
 
 
 # ---- one load's lines ------------------------------------------------------------------------
@@ -536,7 +541,7 @@ def catch_up(db_path: str | os.PathLike, timeout: float = 30.0, config: LoaderCo
         loaded = 0
         try:
             loader.open(timeout)
-            db_id = _db_id(loader.con)
+            db_id = meta_value(loader.con, DB_ID_KEY)
             if not owns_log(directory, db_id, legacy_ok=db_id is None):
                 log.warning("polar: not loading the call log %s: it belongs to another database", directory)
                 return 0
@@ -552,14 +557,8 @@ def catch_up(db_path: str | os.PathLike, timeout: float = 30.0, config: LoaderCo
             loader.close()
 
 
-def _db_id(con) -> str | None:
-    row = con.execute("SELECT value FROM meta WHERE key = ?", [DB_ID_KEY]).fetchone()
-    return row[0] if row else None
-
-
 def log_end(directory: Path) -> Position:
     """The end of the log as it is now (a torn last line included: reads stop before it)."""
-    from .calllog import segment_ids, segment_path
     ids = segment_ids(directory)
     if not ids:
         return Position()

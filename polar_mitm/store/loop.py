@@ -8,7 +8,7 @@ from typing import Iterable
 
 import orjson
 
-from .db import writing
+from .db import reading, writing
 
 ITERATION_COLUMNS = (
     "run_id", "iteration", "policy_version", "checkpoint", "reward_mean", "reward_std",
@@ -49,19 +49,14 @@ def zero_unrewarded(db: str | os.PathLike, session_ids: Iterable[str], reason: s
     ids = list(session_ids)
     if not ids:
         return 0
+    info = orjson.dumps({"state": "failed", "reason": reason}).decode()
     with writing(db, timeout) as con:
-        con.execute("BEGIN")
-        n = 0
-        for sid in ids:
-            n += con.execute(
-                "UPDATE sessions SET reward = 0.0, reward_info = ? WHERE session_id = ? AND reward IS NULL "
-                "RETURNING 1", [orjson.dumps({"state": "failed", "reason": reason}).decode(), sid]).fetchall().__len__()
-        con.execute("COMMIT")
-    return n
+        return len(con.execute(
+            f"UPDATE sessions SET reward = 0.0, reward_info = ? WHERE reward IS NULL AND session_id IN "
+            f"({', '.join('?' * len(ids))}) RETURNING session_id", [info, *ids]).fetchall())
 
 
 def iterations(db: str | os.PathLike, run_id: str, timeout: float = 30.0) -> list[dict]:
-    from .db import reading
     with reading(db, timeout) as con:
         cur = con.execute("SELECT * FROM loop_iterations WHERE run_id = ? ORDER BY iteration", [run_id])
         cols = [d[0] for d in cur.description]

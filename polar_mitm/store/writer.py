@@ -33,7 +33,7 @@ from .db import (LOADER_FILE, READY_SUFFIX, StoreBusy, init_db, loader_running, 
 from .delta import DeltaCache
 from .lines import dumps, jsonable, loads, stored_row
 from .loader import (DB_ID_KEY, POSITION_KEY, ROW_GROUP_ROWS, TAIL, Loader, LoaderConfig,  # noqa: F401
-                     catch_up, claim_log, owns_log, set_aside, writer_lock)
+                     catch_up, claim_log, meta_value, owns_log, set_aside, stored_position, writer_lock)
 
 log = logging.getLogger("polar")
 
@@ -117,18 +117,17 @@ class CallWriter:
             time.sleep(0.05)
         self.salt = init_db(self.db_path, timeout=max(self.lock_timeout, 30))
         with writing(self.db_path, timeout=max(self.lock_timeout, 30)) as con:
-            row = con.execute("SELECT value FROM meta WHERE key = ?", [DB_ID_KEY]).fetchone()
-            had_id = row is not None
+            db_id = meta_value(con, DB_ID_KEY)
+            had_id = db_id is not None
             if not had_id:   # a database older than log owners gets its id now
-                con.execute("INSERT INTO meta VALUES (?, ?)", [DB_ID_KEY, os.urandom(16).hex()])
-            db_id = con.execute("SELECT value FROM meta WHERE key = ?", [DB_ID_KEY]).fetchone()[0]
+                db_id = os.urandom(16).hex()
+                con.execute("INSERT INTO meta VALUES (?, ?)", [DB_ID_KEY, db_id])
             # A log left by another database of this name (deleted, then made anew) is not
             # this one's: it would add its calls here.
             if not owns_log(directory, db_id, legacy_ok=not had_id):
                 set_aside(directory, "belongs to another database of this name")
             claim_log(directory, db_id)
-            row = con.execute("SELECT value FROM meta WHERE key = ?", [POSITION_KEY]).fetchone()
-            position = Position.decode(row[0] if row else None)
+            position = stored_position(con)
             self._seq = dict(con.execute("SELECT session_id, max(seq) FROM call_records GROUP BY 1").fetchall())
         # Lines a previous run acknowledged but did not load yet count for the numbering.
         pos = position

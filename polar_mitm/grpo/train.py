@@ -323,6 +323,11 @@ def train(calls: Sequence[Call], model_dir: str | os.PathLike, out_dir: str | os
     if trainer.rank == 0:
         (out / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "history"},
                                                      indent=2))
+    if trainer.world > 1 and torch.distributed.is_initialized():
+        # ranks leave together: a rank whose gloo threads are still up at exit aborts
+        # ("terminate called without an active exception", seen once under CI)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return summary
 
 

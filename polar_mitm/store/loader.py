@@ -196,6 +196,7 @@ class Loader:
             batch.insert(self.con, start, end, self._known_sessions, table)
             self.position = end   # committed, whatever fails after this
             self.lines_loaded += batch.lines
+            self.loads += 1       # counted with its lines: a reader never sees one without the other
             if table == TAIL:
                 # DuckDB keeps rows not checkpointed in memory: the tail goes to the file now.
                 self._tail_rows += batch.stored
@@ -207,7 +208,6 @@ class Loader:
             _restore(ack_ms, batch.acks if batch is not None else None)
             self.failed(e)
             raise
-        self.loads += 1
         self.succeeded()
         self._shrink()
         return batch.lines

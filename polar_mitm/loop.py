@@ -30,15 +30,16 @@ from pathlib import Path
 from typing import Callable
 
 import click
-import httpx
 
 from . import launch
 from .rollout import RolloutServer
+from .rollout.client import ServerClient, ServerError
+from .rollout.rewards import reward_records
 from .rollout.server import TERMINAL
 from .store import init_db
 from .store.loop import iterations as stored_iterations
-from .store.loop import record_iteration, record_version, zero_unrewarded
-from .store.training import training_calls
+from .store.loop import record_iteration, record_version
+from .store.training import set_rewards, training_calls
 
 
 @dataclass
@@ -57,6 +58,8 @@ class LoopOptions:
     dtype: str = "float32"                # vLLM's: the trainer's, so every update reaches it
     max_model_len: int = 8192
     max_staleness: int = 0                # K: calls of versions >= v - K are trained (K >= 1: async)
+    server: str | None = None             # a running rollout server (its nodes, their vLLMs)
+    colocate: bool = False                # one GPU: vLLM sleeps while the trainer runs
 
 
 @dataclass
@@ -95,6 +98,11 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
     from .models import DEFAULT_MODEL_NAME, ensure_default_model
     from .stack import ensure_harnesses, read_tasks, start_node_stack, stop_stack
 
+    if opts.server and opts.backend:
+        raise LoopError("--server or --backend, not both: the rollout server's nodes have their own backends")
+    if opts.colocate and opts.max_staleness:
+        raise LoopError("--colocate needs --max-staleness 0: vLLM sleeps while the trainer runs, so "
+                        "nothing can be sampled then")
     out = opts.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     lock = os.open(out / ".loop.lock", os.O_CREAT | os.O_RDWR, 0o600)
@@ -104,49 +112,69 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
         raise LoopError(f"another loop is running on {out}") from None
     tasks = read_tasks(opts.tasks_file, opts.harness, opts.samples)
     eval_tasks = read_tasks(opts.eval_tasks_file, opts.harness, opts.samples) if opts.eval_tasks_file else []
-    ensure_harnesses(t.harness for t in [*tasks, *eval_tasks])
+    if not opts.server:
+        ensure_harnesses(t.harness for t in [*tasks, *eval_tasks])
     state = LoopState.load(out)
     if state is None:   # saved at once: a rerun after a kill resumes this run's task ids
         state = LoopState(run_id=secrets.token_hex(3))
         state.save(out)
     if state.completed >= opts.iterations:
         echo(f"{out}: {state.completed} iterations already done")
-    base = str(opts.model or ensure_default_model(log=echo))
-    db = str(out / "rollouts.duckdb")
+    base = str(Path(opts.model).resolve()) if opts.model else str(ensure_default_model(log=echo))
+    # The loop's own tables; on one machine the same file holds the calls and rewards.
+    db = str(out / ("loop.duckdb" if opts.server else "rollouts.duckdb"))
     init_db(db)
     work = out / "work"
     work.mkdir(mode=0o700, exist_ok=True)
-    token = secrets.token_hex(16)
     services: list[launch.Service] = []
-    server = node = None
+    server = node = client = None
     try:
         # the stack, once ------------------------------------------------------------------------
         serving = state.checkpoint or base
-        if opts.backend:
-            backend = opts.backend.rstrip("/")   # its dev mode is checked by the first sync below
+        if opts.server:
+            server_url = opts.server
         else:
-            port = launch.free_port()
-            echo(f"starting vLLM on 127.0.0.1:{port} serving {serving} (policy version {state.version}, "
-                 f"{opts.dtype}); log {work / 'vllm.log'}")
-            t0 = time.monotonic()
-            services.append(launch.start_vllm(
-                serving, port=port, served_name=DEFAULT_MODEL_NAME, log_path=work / "vllm.log",
-                max_model_len=opts.max_model_len, chat_template=launch.TEMPLATES / "smollm2_tools.jinja"
-                if not opts.model else None, dtype=opts.dtype))
-            echo(f"vLLM ready after {time.monotonic() - t0:.0f}s")
-            backend = f"http://127.0.0.1:{port}"
-        server = RolloutServer(db).start()
-        proxy_port = launch.free_port()
-        proxy, node = start_node_stack(
-            db=db, backend=backend, work=work, proxy_port=proxy_port, workers=opts.workers,
-            max_tokens=opts.max_tokens, server_url=server.url,
-            extra_sets=[f"polar_control_token={token}", f"polar_policy_version={state.version}"])
-        services.append(proxy)
-        sync = Sync(proxy_port, token)
-        if opts.backend:
-            # A running vLLM may hold anything (a run killed mid-sync): it serves the version
-            # this run knows before any call is sampled.
-            sync(state.checkpoint or base, state.version)
+            if opts.backend:
+                backend = opts.backend.rstrip("/")   # its dev mode is checked by the first sync below
+            else:
+                port = launch.free_port()
+                echo(f"starting vLLM on 127.0.0.1:{port} serving {serving} (policy version {state.version}, "
+                     f"{opts.dtype}); log {work / 'vllm.log'}")
+                t0 = time.monotonic()
+                services.append(launch.start_vllm(
+                    serving, port=port, served_name=DEFAULT_MODEL_NAME, log_path=work / "vllm.log",
+                    max_model_len=opts.max_model_len, chat_template=launch.TEMPLATES / "smollm2_tools.jinja"
+                    if not opts.model else None, dtype=opts.dtype,
+                    extra_args=["--enable-sleep-mode"] if opts.colocate else None))
+                echo(f"vLLM ready after {time.monotonic() - t0:.0f}s")
+                backend = f"http://127.0.0.1:{port}"
+            server = RolloutServer(db).start()
+            server_url = server.url
+            proxy, node = start_node_stack(
+                db=db, backend=backend, work=work, proxy_port=launch.free_port(), workers=opts.workers,
+                max_tokens=opts.max_tokens, server_url=server.url,
+                extra_sets=[f"polar_policy_version={state.version}"])
+            services.append(proxy)
+        client = ServerClient(server_url)
+
+        def check() -> None:
+            dead = [s for s in services if not s.alive()]
+            if dead:
+                raise LoopError("a service stopped: " + "; ".join(f"{s.name}: {s.tail(5)}" for s in dead))
+
+        def sync(version: int, checkpoint: str, asleep: bool = False) -> dict:
+            """Every node's gateway and vLLM to (version, checkpoint), or asleep; the slowest
+            node's report (drain, wake, reload, reset)."""
+            try:
+                reports = client.sync_nodes(version, checkpoint, asleep, check=check)
+            except ServerError as e:
+                raise LoopError(f"the weight sync to version {version} failed: {e}") from None
+            return _slowest([r.get("detail") for r in reports.values()])
+
+        if opts.backend or opts.server:
+            # vLLM may hold anything (a run killed mid-sync, another run's weights): every
+            # node serves the version this run knows before any call is sampled.
+            sync(state.version, serving)
         trainer = Trainer(serving, train_cfg, ref_model=base)
         if state.trainer_state:
             trainer.load_state(Path(state.trainer_state))
@@ -155,26 +183,34 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
         for it in range(state.completed, opts.iterations):
             version = state.version
             t0 = time.monotonic()
-            train_ids = _submit(server, tasks, f"@{state.run_id}.{it}")
-            eval_ids = _submit(server, eval_tasks, f"@{state.run_id}.{it}.eval")
-            _wait_rollouts(server, train_ids + eval_ids, services, f"iteration {it + 1}/{opts.iterations} "
-                           f"rollouts (policy v{version})")
+            train_ids = _submit(client, tasks, f"@{state.run_id}.{it}")
+            eval_ids = _submit(client, eval_tasks, f"@{state.run_id}.{it}.eval")
+            samples = {t.task_id + f"@{state.run_id}.{it}": t.num_samples for t in tasks}
+            samples.update({t.task_id + f"@{state.run_id}.{it}.eval": t.num_samples for t in eval_tasks})
+            groups = _wait_rollouts(client, samples, check, f"iteration {it + 1}/{opts.iterations} "
+                                    f"rollouts (policy v{version})")
             rollout_s = time.monotonic() - t0
             if opts.max_staleness >= 1 and it + 1 < opts.iterations:
                 # The next iteration's rollouts run while this one trains and syncs: sampled by
                 # version v until the sync, v + 1 after it (each call knows which).
-                _submit(server, tasks, f"@{state.run_id}.{it + 1}")
-                _submit(server, eval_tasks, f"@{state.run_id}.{it + 1}.eval")
-            groups = {tid: server.group(tid) for tid in train_ids}
-            finals = [s for g in groups.values() for s in g["sessions"]]   # one per sample: retries replace
-            zero_unrewarded(db, [s["session_id"] for s in finals if s["state"] in ("failed", "timed_out")],
-                            "the harness failed (on_failure: zero)")
-            data = training_calls([db], sessions=[s["session_id"] for s in finals])
+                _submit(client, tasks, f"@{state.run_id}.{it + 1}")
+                _submit(client, eval_tasks, f"@{state.run_id}.{it + 1}.eval")
+            row_extra: dict = {}
+            if opts.colocate:   # vLLM gives its memory to the trainer until the sync wakes it
+                t_sleep = time.monotonic()
+                sync(version, serving, asleep=True)
+                row_extra["sleep_s"] = time.monotonic() - t_sleep
+            train_groups = {tid: groups[tid] for tid in train_ids}
+            finals = [s for g in train_groups.values() for s in g["sessions"]]   # one per sample
+            on_failure = {t.task_id + f"@{state.run_id}.{it}": t.on_failure for t in tasks}
+            dbs = _store_rewards(db if not opts.server else None, client, train_groups, on_failure)
+            data = training_calls(dbs, sessions=[s["session_id"] for s in finals])
             calls = calls_from_records(data.calls)
             # trained: calls at most max_staleness versions behind the policy now trained
             fresh = [c for c in calls if _version_of(c) >= version - opts.max_staleness]
-            row = _rollout_row(state.run_id, it, version, groups, eval_ids, server, fresh, len(calls) - len(fresh))
-            row["rollout_s"] = rollout_s
+            row = _rollout_row(state.run_id, it, version, train_groups, [groups[t] for t in eval_ids],
+                               fresh, len(calls) - len(fresh))
+            row.update(rollout_s=rollout_s, **row_extra)
 
             t1 = time.monotonic()
             history: list[dict] = []
@@ -195,13 +231,19 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
 
             t2 = time.monotonic()
             if history:
-                report = sync(str(ckpt), version + 1)
+                report = sync(version + 1, str(ckpt))
                 record_version(db, state.run_id, version + 1, str(ckpt))
                 state.version, state.checkpoint, state.trainer_state = version + 1, str(ckpt), str(tstate)
+                serving = str(ckpt)
                 state.checkpoints.append(str(ckpt))
-                row.update(sync_drain_s=report["drain_s"], sync_reload_s=report["swap_s"])
-                echo(f"synced policy v{version + 1}: drained {report['drained']} calls, held "
-                     f"{report['held']}, reload {report['swap_s']:.2f}s")
+                echo(f"synced policy v{version + 1}: drained {report.get('drained', 0)} calls, held "
+                     f"{report.get('held', 0)}, reload {report.get('reload_s', 0):.2f}s")
+            elif opts.colocate:   # nothing new: wake it with the weights it had
+                report = sync(version, serving)
+            else:
+                report = {}
+            row.update(sync_drain_s=report.get("drain_s"), sync_reload_s=report.get("reload_s"),
+                       sync_reset_s=report.get("reset_s"), sync_wake_s=report.get("wake_s"))
             row["sync_s"] = time.monotonic() - t2
             record_iteration(db, row, history)
             state.completed = it + 1
@@ -216,53 +258,77 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
             echo(f"database {db}; plot {out / 'loop.png'}")
         return rows
     finally:
+        if client is not None:
+            client.close()
         stop_stack(node, server, services)
         os.close(lock)
 
 
-class Sync:
-    """The weight sync, through the gateway's control endpoint (addons/weight_sync.py)."""
-
-    def __init__(self, proxy_port: int, token: str):
-        self.proxy = f"http://127.0.0.1:{proxy_port}"
-        self.token = token
-
-    def __call__(self, checkpoint: str, version: int) -> dict:
-        r = httpx.post("http://polar.sync/_polar/sync", proxy=self.proxy, trust_env=False, timeout=600,
-                       json={"checkpoint": checkpoint, "version": version},
-                       headers={"authorization": f"Bearer {self.token}"})
-        if r.status_code != 200:
-            raise LoopError(f"the weight sync to version {version} failed: {r.text[:500]}")
-        return r.json()
+def _slowest(details: list[dict | None]) -> dict:
+    """One figure per sync step across nodes: the slowest node's (the loop waits for it)."""
+    out: dict = {}
+    for d in details:
+        if not isinstance(d, dict):
+            continue
+        steps = d.get("steps") or {}
+        for k, v in [("drain_s", d.get("drain_s")), ("drained", d.get("drained")), ("held", d.get("held")),
+                     *steps.items()]:
+            if isinstance(v, (int, float)):
+                out[k] = max(out.get(k, v), v)
+    return out
 
 
-def _submit(server, tasks, suffix: str) -> list[str]:
+def _store_rewards(db: str | None, client, groups: dict[str, dict], on_failure: dict[str, str]) -> list[str]:
+    """The server's groups are the record: each final session's reward goes into the database
+    of the node that ran it (db: the one database on one machine). Its node stores it too,
+    once settled, but may have been killed in between. A session that failed scores 0 under
+    on_failure "zero". Returns the databases that hold this iteration's calls."""
+    nodes = client.policy_status()["nodes"] if db is None else {}
+    per_db: dict[str, list[dict]] = {}
+    for tid, g in groups.items():
+        ran_on = {s["session_id"]: s.get("node_id") for s in g["sessions"]}
+        for r in reward_records(g, on_failure[tid]):
+            target = db or (nodes.get(ran_on[r["session_id"]]) or {}).get("db")
+            if target is not None:     # None: it never ran on a node, so it has no calls
+                per_db.setdefault(target, []).append(r)
+    missing = sorted(d for d in per_db if not Path(d).exists())
+    if missing:
+        raise LoopError(f"node databases not reachable from here: {', '.join(missing)} (--server needs "
+                        "the nodes' databases and the checkpoints on a filesystem both sides see)")
+    for d, records in per_db.items():
+        if records:
+            set_rewards(d, records, timeout=120.0)
+    return sorted(per_db) or ([db] if db else [])
+
+
+def _submit(client, tasks, suffix: str) -> list[str]:
     ids = []
     for t in tasks:
         tid = t.task_id + suffix
         if len(tid) > 120:
             raise LoopError(f"{t.task_id}: task ids of at most {120 - len(suffix)} characters, please")
-        if tid not in server.tasks:   # a rerun resumes its unfinished sessions instead
-            server.submit(replace(t, task_id=tid))
+        client.submit(replace(t, task_id=tid))   # there already: a rerun resumes its sessions
         ids.append(tid)
     return ids
 
 
-def _wait_rollouts(server, ids: list[str], services, label: str) -> None:
-    total = sum(server.tasks[t].spec.num_samples for t in ids)
+def _wait_rollouts(client, samples: dict[str, int], check: Callable[[], None], label: str) -> dict[str, dict]:
+    """Until every task is done or cancelled; their scored groups."""
+    ids, total = list(samples), sum(samples.values())
     with click.progressbar(length=total, label=label, file=sys.stderr, show_pos=True) as bar:
         settled = 0
-        while not server.wait(ids, timeout=1.0):
-            now = sum(1 for t in ids for s in server.group(t)["sessions"] if s["state"] in TERMINAL)
+        while True:
+            groups = {g["task_id"]: g for g in client.groups(ids)}
+            now = sum(1 for g in groups.values() for s in g["sessions"] if s["state"] in TERMINAL)
             bar.update(now - settled)
             settled = now
-            dead = [s for s in services if not s.alive()]
-            if dead:
-                raise LoopError("a service stopped: " + "; ".join(f"{s.name}: {s.tail(5)}" for s in dead))
-        bar.update(total - settled)
+            if all(g["state"] in ("done", "cancelled") for g in groups.values()):
+                return groups
+            check()
+            time.sleep(1.0)
 
 
-def _rollout_row(run_id: str, it: int, version: int, groups: dict, eval_ids: list[str], server,
+def _rollout_row(run_id: str, it: int, version: int, groups: dict, eval_groups: list[dict],
                  calls, stale: int) -> dict:
     rewards, per_task = [], {}
     states: dict[str, int] = {}
@@ -273,10 +339,10 @@ def _rollout_row(run_id: str, it: int, version: int, groups: dict, eval_ids: lis
         task = tid.rsplit("@", 1)[0]
         per_task[task] = {"mean": _mean(rs), "std": _std(rs), "n": len(rs)}
         rewards += rs
-    eval_rewards = [s["reward"] for t in eval_ids for s in server.group(t)["sessions"] if s["reward"] is not None]
+    eval_rewards = [s["reward"] for g in eval_groups for s in g["sessions"] if s["reward"] is not None]
     return {"run_id": run_id, "iteration": it, "policy_version": version, "checkpoint": None,
             "reward_mean": _mean(rewards), "reward_std": _std(rewards),
-            "eval_reward_mean": _mean(eval_rewards) if eval_ids else None,
+            "eval_reward_mean": _mean(eval_rewards) if eval_groups else None,
             "sessions_done": states.get("done", 0), "sessions_failed": states.get("failed", 0),
             "sessions_timed_out": states.get("timed_out", 0), "calls": len(calls),
             "tokens": sum(len(c.tokens) for c in calls), "stale_dropped": stale, "per_task": per_task}

@@ -12,9 +12,11 @@ import click
 from . import launch
 from .rollout import RolloutServer
 from .rollout import harnesses
+from .rollout.rewards import reward_records
 from .rollout.server import ORDER
 from .stack import (ensure_harnesses, read_tasks, start_node_stack, start_stack, stop_on_sigterm,
                     stop_stack)
+from .store.training import set_rewards
 
 
 def progress_line(status: dict, t0: float) -> str:
@@ -90,6 +92,11 @@ def register(main: click.Group) -> None:
                     raise click.ClickException("a service stopped: " + "; ".join(
                         f"{s.name}: {s.tail(5)}" for s in services if not s.alive()))
             click.echo(progress_line(server.status(), t0))
+            # the server's record of each group, stored (a node killed before it stored a
+            # settled reward left it out)
+            records = [r for t in tasks for r in reward_records(server.group(t.task_id), t.on_failure)]
+            if records:
+                set_rewards(db, records, timeout=120.0)
             print_summary(server, ids)
         except KeyboardInterrupt:
             click.echo("interrupted: sessions in flight were stopped and go back in the queue; "

@@ -4,6 +4,7 @@ handling. Shared by the CLIs and the loop."""
 
 from __future__ import annotations
 
+import secrets
 import signal
 import time
 from pathlib import Path
@@ -90,14 +91,16 @@ def ensure_harnesses(names) -> None:
 def start_node_stack(*, db: str, backend: str, work: Path, proxy_port: int, workers: int,
                      max_tokens: int | None, server_url: str, node_id: str | None = None,
                      extra_sets: list[str] | None = None):
-    """The proxy (mitmdump) and a gateway node around it; returns (proxy service, node)."""
+    """The proxy (mitmdump) and a gateway node around it; returns (proxy service, node). The
+    node alone holds the proxy's control token: weight syncs come through the node."""
+    token = secrets.token_hex(16)
     sets = [f"polar_sampling=max_tokens={max_tokens}"] if max_tokens else []
-    sets += extra_sets or []
+    sets += [f"polar_control_token={token}", *(extra_sets or [])]
     confdir = work / "mitmproxy"
     proxy = launch.start_proxy(db=db, backend=backend, port=proxy_port, confdir=confdir,
                                log_path=work / "mitmdump.log", extra_sets=sets)
     cfg = NodeConfig(server_url=server_url, proxy_port=proxy_port, ca_path=str(confdir / "mitmproxy-ca-cert.pem"),
-                     db=db, init_workers=workers, run_workers=workers, post_workers=max(1, workers // 2))
+                     db=db, control_token=token, init_workers=workers, run_workers=workers, post_workers=max(1, workers // 2))
     if node_id:
         cfg.node_id = node_id
     node = GatewayNode(cfg, runtime=LocalRuntime(work / "sessions")).start()

@@ -207,16 +207,22 @@ def format_builders(rows: list[dict]) -> str:
 @click.option("--max-staleness", default=0, show_default=True, type=click.IntRange(0),
               help="Policy versions a trained call may lag: 0 is synchronous; with K >= 1 the next "
                    "iteration's rollouts run while this one trains")
+@click.option("--server", default="", help="A running rollout server (polar-mitm rollout-server) whose nodes "
+              "(polar-mitm node) sample; each node syncs its vLLM in its heartbeats. The nodes' databases "
+              "and the checkpoints must be on a filesystem both sides see")
+@click.option("--colocate", is_flag=True, help="One GPU for vLLM and the trainer: vLLM sleeps (its weights "
+              "and KV cache freed) while the trainer runs and wakes with the new weights. Needs vLLM's "
+              "sleep mode (GPU), and --max-staleness 0")
 @trainer_options
 def loop(tasks_file, iterations, out, harness, samples, model, backend, eval_tasks_file, workers, max_tokens,
-         keep, dtype, max_staleness, **options):
+         keep, dtype, max_staleness, server, colocate, **options):
     """The closed loop: rollouts through a real harness, GRPO, the new weights synced into the
     running vLLM, the next rollouts."""
     from .loop import LoopOptions, run_loop
     opts = LoopOptions(tasks_file=tasks_file, iterations=iterations, out=Path(out), harness=harness,
                        samples=samples, model=model or None, backend=backend or None,
                        eval_tasks_file=eval_tasks_file, workers=workers, max_tokens=max_tokens, keep=keep,
-                       dtype=dtype, max_staleness=max_staleness)
+                       dtype=dtype, max_staleness=max_staleness, server=server or None, colocate=colocate)
     run_loop(opts, train_config(**options))
 
 

@@ -5,7 +5,7 @@ tasks, the embedded SmolLM2, vLLM on this machine's CPUs):
     .venv/bin/python scripts/bench_loop.py --read DIR      # a run that is already there
 
 It runs `polar-mitm demo`'s loop (or reads a finished run's database) and prints, per
-iteration, rollouts / training / sync (drain, reload) / the rest (bookkeeping: saving the
+iteration, rollouts / training / sync (drain, reload, reset) / the rest (bookkeeping: saving the
 checkpoint is counted in training) as seconds and shares of the iteration, and checks that
 the sync takes at most 5% of it. --compare-staleness runs K=0 (synchronous) and K=1 (the next
 iteration's rollouts during training) one after the other and compares iterations per hour.
@@ -49,21 +49,21 @@ def per_hour(out: Path) -> float:
 
 def report(out: Path, wall: float | None) -> bool:
     cols, rows = query(out / "rollouts.duckdb", "SELECT iteration, rollout_s, train_s, sync_s, sync_drain_s, "
-                       "sync_reload_s, finished_at FROM loop_iterations ORDER BY iteration")
+                       "sync_reload_s, sync_reset_s, finished_at FROM loop_iterations ORDER BY iteration")
     if not rows:
         print(f"no iterations in {out}")
         return False
     print(f"{'iter':>4} {'rollouts s':>10} {'training s':>10} {'sync s':>8} {'drain s':>8} {'reload s':>8} "
-          f"{'idle s':>7} {'iteration s':>11} {'sync share':>10}")
+          f"{'reset s':>8} {'idle s':>7} {'iteration s':>11} {'sync share':>10}")
     ok = True
     last = None
-    for it, roll, train, sync, drain, reload, at in rows:
+    for it, roll, train, sync, drain, reload, reset, at in rows:
         total = (at - last).total_seconds() if last is not None else roll + train + sync
         idle = max(0.0, total - roll - train - sync)
         share = sync / total if total else 0.0
         ok &= share <= 0.05
         print(f"{it + 1:>4} {roll:>10.1f} {train:>10.1f} {sync:>8.2f} {drain or 0:>8.2f} {reload or 0:>8.2f} "
-              f"{idle:>7.1f} {total:>11.1f} {share:>9.1%}")
+              f"{reset or 0:>8.3f} {idle:>7.1f} {total:>11.1f} {share:>9.1%}")
         last = at
     print(f"sync <= 5% of every iteration: {'PASS' if ok else 'FAIL'}")
     if wall is not None:

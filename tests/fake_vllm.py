@@ -25,6 +25,9 @@ class FakeVLLM:
         self.reloads: list[tuple[float, float, str]] = []       # (start, end, weights path)
         self.lock = threading.Lock()
         self.reloading = False
+        self.control: list[str] = []      # dev-mode calls, in order (path with query)
+        self.sleeping: set[str] = set()   # what sleeps: "weights", "kv_cache"
+        self.served_asleep = 0            # generation asked while asleep (must stay 0)
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -42,7 +45,9 @@ class FakeVLLM:
                 self.wfile.write(body)
 
             def do_GET(self):
-                if self.path == "/v1/models":
+                if self.path == "/is_sleeping":
+                    self._send(200, orjson.dumps({"is_sleeping": bool(fake.sleeping)}))
+                elif self.path == "/v1/models":
                     self._send(200, orjson.dumps({"object": "list", "data": [
                         {"id": "fake-model", "max_model_len": fake.max_model_len}]}))
                 else:
@@ -50,9 +55,25 @@ class FakeVLLM:
 
             def do_POST(self):
                 body = orjson.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
+                route, _, query = self.path.partition("?")
+                if route in ("/sleep", "/wake_up"):
+                    if not fake.dev_mode:
+                        return self._send(404, b'{"detail":"Not Found"}')
+                    fake.control.append(self.path)
+                    tags = [t.partition("=")[2] for t in query.split("&") if t.startswith("tags=")]
+                    if route == "/sleep":
+                        fake.sleeping = {"weights", "kv_cache"}
+                        if "level=2" in query:
+                            fake.weights = None     # discarded: only a reload brings them back
+                    else:
+                        fake.sleeping -= set(tags or ("weights", "kv_cache"))
+                    return self._send(200, b"{}")
                 if self.path in ("/collective_rpc", "/reset_prefix_cache", "/update_weight_version"):
                     if not fake.dev_mode:
                         return self._send(404, b'{"detail":"Not Found"}')
+                    fake.control.append(self.path)
+                    if "weights" in fake.sleeping:
+                        return self._send(500, b'{"detail":"the weights sleep"}')
                     if self.path == "/collective_rpc":
                         t0 = time.monotonic()
                         fake.reloading = True
@@ -67,6 +88,9 @@ class FakeVLLM:
                     return self._send(200, orjson.dumps({"count": n, "max_model_len": fake.max_model_len,
                                                          "tokens": list(range(n))}))
                 fake.bodies.append(body)
+                if fake.sleeping or fake.weights is None:
+                    fake.served_asleep += 1
+                    return self._send(500, b'{"error":{"message":"asleep","type":"InternalServerError"}}')
                 t0, weights = time.monotonic(), fake.weights
                 time.sleep(fake.delay)
                 with fake.lock:

@@ -12,6 +12,7 @@ from polar_mitm.rollout import GatewayNode, NodeConfig, RolloutServer
 from polar_mitm.rollout import harnesses
 from polar_mitm.rollout.runtime import LocalRuntime, unshare_argv
 from polar_mitm.store import query
+from procs import until
 from scripted_vllm import MARKER, ScriptedVLLM
 
 CLIS = ["pi", "claude", "codex", "gemini", "qwen"]
@@ -116,8 +117,9 @@ def test_cli_completes_a_tool_loop_through_the_proxy(name, slow, scripted, start
         assert s["stats"]["network"] == "isolated"
     # named by the HTTPS_PROXY user the CLI sent on CONNECT (its API key names it too, but
     # the proxy user wins): regular mode attributes sessions with no harness change
-    _, rows = query(proxy.db, "SELECT reward, task_id, source FROM sessions WHERE session_id = ?", [sid])
-    assert rows == [(1.0, task, "proxy_user")]
+    # the reward is stored once the server has settled the outcome (the node's next heartbeat)
+    sql = "SELECT reward, task_id, source FROM sessions WHERE session_id = ?"
+    assert until(lambda: query(proxy.db, sql, [sid])[1] == [(1.0, task, "proxy_user")], 10), query(proxy.db, sql, [sid])
     _, rows = query(proxy.db, "SELECT list(state ORDER BY event_at) FROM rollout_events WHERE session_id = ?", [sid])
     assert rows[0][0][:1] == ["pending"] and rows[0][0][-1] == "done"
     assert {"assigned", "init", "ready", "run", "post_run"} <= set(rows[0][0])

@@ -118,3 +118,81 @@ def test_with_max_staleness_1_the_next_rollouts_run_during_training(tmp_path):
         assert int(version) in (it - 1, it) if it else int(version) == 0, (sid, version)
     _, rows = query(db, "SELECT iteration, policy_version, stale_dropped, calls FROM loop_iterations ORDER BY 1")
     assert [r[:3] for r in rows] == [(0, 0, 0), (1, 1, 0), (2, 2, 0)] and all(r[3] > 0 for r in rows)
+
+
+def test_colocate_puts_vllm_to_sleep_for_training_and_wakes_it_with_the_new_weights(tmp_path):
+    """--colocate against a stand-in with vLLM's sleep endpoints: after each iteration's
+    rollouts the gateway holds and drains, vLLM sleeps (level 2: weights discarded); after
+    training it wakes the weights, reloads the checkpoint into them, wakes the KV cache,
+    resets the prefix cache and sets the version. No generation reaches it while it sleeps."""
+    model = str(tiny_model_dir(tmp_path / "model"))
+    tasks = fake_tasks(tmp_path, "ok 2")
+    out = tmp_path / "run"
+    with FakeVLLM(delay=0.05) as fake:
+        run = LoopRun([TRAIN, "loop", "--tasks", str(tasks), "--iterations", "2", "--out", str(out),
+                       "--harness", "command", "--samples", "2", "--backend", fake.url, "--model", model,
+                       "--lr", "1e-3", "--token-budget", "256", "--workers", "2", "--max-tokens", "8",
+                       "--colocate"])
+        assert run.wait(600) == 0, run.output[-3000:]
+        state = json.loads((out / "loop.json").read_text())
+        assert fake.served_asleep == 0 and not fake.sleeping
+        assert fake.weights == state["checkpoint"] == str(out / "checkpoints" / "v2")
+        sync = ["/wake_up?tags=weights", "/collective_rpc", "/wake_up?tags=kv_cache", "/reset_prefix_cache",
+                "/update_weight_version"]
+        start = ["/collective_rpc", "/reset_prefix_cache", "/update_weight_version"]   # --backend: v0 first
+        assert fake.control == start + (["/sleep?level=2"] + sync) * 2, fake.control
+    db = out / "rollouts.duckdb"
+    _, rows = query(db, "SELECT session_id, policy_version FROM calls")
+    assert rows and all(v == sid.split("@")[1].split(".")[1].split("~")[0] for sid, v in rows)
+    _, rows = query(db, "SELECT iteration, policy_version, sleep_s, sync_wake_s, sync_reload_s "
+                        "FROM loop_iterations ORDER BY 1")
+    assert [r[:2] for r in rows] == [(0, 0), (1, 1)] and all(r[2] > 0 and r[3] > 0 and r[4] > 0 for r in rows)
+    # a colocated loop cannot sample while it trains
+    bad = LoopRun([TRAIN, "loop", "--tasks", str(tasks), "--iterations", "1", "--out", str(tmp_path / "bad"),
+                   "--colocate", "--max-staleness", "1", "--backend", "http://127.0.0.1:9", "--model", model])
+    assert bad.wait(60) != 0 and "--colocate needs --max-staleness 0" in bad.output
+
+
+def test_the_loop_syncs_every_node_of_a_remote_rollout_server_through_heartbeats(tmp_path):
+    """--server: a rollout server with two gateway nodes, each with its own proxy, database
+    and vLLM stand-in. The loop only talks to the server; each node learns of a new policy in
+    its heartbeat, syncs its own gateway and vLLM, and reports back. Every call on either
+    node carries the version of its iteration, and both vLLMs end on the last checkpoint."""
+    from polar_mitm import launch
+    from polar_mitm.rollout import RolloutServer
+    from polar_mitm.stack import start_node_stack, stop_stack
+
+    model = str(tiny_model_dir(tmp_path / "model"))
+    tasks = fake_tasks(tmp_path, "ok 2")
+    out = tmp_path / "run"
+    server = RolloutServer(str(tmp_path / "server.duckdb")).start()
+    nodes, services = [], []
+    with FakeVLLM(delay=0.2) as fake_a, FakeVLLM(delay=0.2) as fake_b:
+        try:
+            for name, fake in (("a", fake_a), ("b", fake_b)):
+                proxy, node = start_node_stack(db=str(tmp_path / f"node-{name}.duckdb"), backend=fake.url,
+                                               work=tmp_path / f"node-{name}", proxy_port=launch.free_port(),
+                                               workers=1, max_tokens=8, server_url=server.url, node_id=name)
+                nodes.append(node)
+                services.append(proxy)
+            run = LoopRun([TRAIN, "loop", "--tasks", str(tasks), "--iterations", "2", "--out", str(out),
+                           "--harness", "command", "--samples", "2", "--server", server.url, "--model", model,
+                           "--lr", "1e-3", "--token-budget", "256"])
+            assert run.wait(600) == 0, run.output[-3000:]
+        finally:
+            for node in nodes:
+                node.stop()
+            stop_stack(None, server, services)
+        state = json.loads((out / "loop.json").read_text())
+        assert state["version"] == 2
+        for fake in (fake_a, fake_b):    # v0 (the base) at start, then v1 and v2
+            assert [w for _, _, w in fake.reloads] == [str(Path(model).resolve()), str(out / "checkpoints" / "v1"),
+                                                      state["checkpoint"]]
+    ran = set()
+    for name in ("a", "b"):
+        _, rows = query(tmp_path / f"node-{name}.duckdb", "SELECT session_id, policy_version FROM calls")
+        ran |= {name} if rows else set()
+        assert all(v == sid.split("@")[1].split(".")[1].split("~")[0] for sid, v in rows), rows
+    assert ran == {"a", "b"}   # one RUN slot each: both nodes sampled
+    _, rows = query(out / "loop.duckdb", "SELECT iteration, policy_version, calls FROM loop_iterations ORDER BY 1")
+    assert [r[:2] for r in rows] == [(0, 0), (1, 1)] and all(r[2] > 0 for r in rows)

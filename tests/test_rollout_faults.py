@@ -87,22 +87,29 @@ def test_a_hanging_harness_is_killed_at_its_timeout_keeps_its_calls_and_scores_z
     assert s["stats"]["calls"] == 2                      # what it did before the timeout stays
     _, rows = query(proxy.db, "SELECT count(*) FROM call_records WHERE session_id = 'hang~0' AND error IS NULL")
     assert rows == [(2,)]
-    _, rows = query(proxy.db, "SELECT reward FROM sessions WHERE session_id = 'hang~0'")
-    assert rows == [(0.0,)]
+    # stored once the server settled it (the node's next heartbeat answer)
+    assert _until(lambda: query(proxy.db, "SELECT reward FROM sessions WHERE session_id = 'hang~0'")[1] == [(0.0,)], 10)
     out = subprocess.run(["pgrep", "-f", "fake_harness.py hang"], capture_output=True, text=True)
     assert out.stdout == "", "the harness outlived its timeout"
 
 
-def test_a_crashing_harness_is_recorded_as_failed(stack):
+def test_a_crashing_harness_is_recorded_as_failed_and_follows_on_failure(stack):
     proxy, server, _ = stack
+    # on_failure "zero" (the default) scores it 0: its group keeps its size; "drop" leaves it out
     server.submit({"task_id": "crash", "instruction": "x", "harness": "command",
                    "command": f"{FAKE} crash 1", "evaluator": "echo 1.0"})
-    assert server.wait(["crash"], timeout=60)
+    server.submit({"task_id": "crash-drop", "instruction": "x", "harness": "command", "on_failure": "drop",
+                   "command": f"{FAKE} crash 1", "evaluator": "echo 1.0"})
+    assert server.wait(["crash", "crash-drop"], timeout=60)
     s = server.group("crash")["sessions"][0]
-    assert s["state"] == "failed" and s["reward"] is None
+    assert s["state"] == "failed" and s["reward"] == 0.0
     assert "exited with code 3" in s["reason"] and "fake harness crashed" in s["reason"]
+    assert server.group("crash-drop")["sessions"][0]["reward"] is None
     _, rows = query(proxy.db, "SELECT state, reason FROM rollout_sessions WHERE session_id = 'crash~0'")
     assert rows[0][0] == "failed" and "code 3" in rows[0][1]
+    sql = "SELECT session_id, reward FROM sessions WHERE session_id LIKE 'crash%' ORDER BY 1"
+    assert _until(lambda: ("crash~0", 0.0) in query(proxy.db, sql)[1], 10)
+    assert all(r is None for sid, r in query(proxy.db, sql)[1] if sid.startswith("crash-drop"))
 
 
 def test_scored_group_reaches_the_callback_after_retries_and_rewards_are_stored(stack):
@@ -121,8 +128,8 @@ def test_scored_group_reaches_the_callback_after_retries_and_rewards_are_stored(
             [("grp~0", 1.5), ("grp~1", 2.5), ("grp~2", 3.5)]
         _, rows = query(proxy.db, "SELECT callback_state, callback_tries FROM rollout_tasks WHERE task_id = 'grp'")
         assert rows == [("sent", 3)]
-        _, rows = query(proxy.db, "SELECT session_id, reward FROM sessions WHERE task_id = 'grp' ORDER BY 1")
-        assert rows == [("grp~0", 1.5), ("grp~1", 2.5), ("grp~2", 3.5)]
+        sql = "SELECT session_id, reward FROM sessions WHERE task_id = 'grp' ORDER BY 1"
+        assert _until(lambda: query(proxy.db, sql)[1] == [("grp~0", 1.5), ("grp~1", 2.5), ("grp~2", 3.5)], 10)
     finally:
         cb.close()
 
@@ -187,6 +194,7 @@ def test_task_requests_are_validated():
                       ({"task_id": "t", "instruction": "x", "early_stop": 3}, "early_stop"),
                       ({"task_id": "t", "instruction": "x", "workspace": {"commit": "a"}}, "commit"),
                       ({"task_id": "t", "instruction": "x", "harness": "command"}, "command"),
+                      ({"task_id": "t", "instruction": "x", "on_failure": "retry"}, "on_failure"),
                       ({"task_id": "t", "instruction": "x", "colour": 1}, "unknown")]:
         with pytest.raises(TaskError, match=word):
             parse_task(bad)
@@ -381,17 +389,35 @@ def test_scheduling_follows_load_and_priority(tmp_path):
         server.submit({"task_id": "high", "instruction": "x", "harness": "command", "command": "true",
                        "num_samples": 2, "priority": 5})
         busy = server.heartbeat({"node_id": "busy", "load": {"free": 0}, "active": [], "events": []})
-        assert busy == {"assign": [], "cancel": []}
+        assert busy == {"assign": [], "cancel": [], "settled": [], "policy": None}
         got = server.heartbeat({"node_id": "idle", "load": {"free": 3}, "active": [], "events": []})
         assert [a["session_id"] for a in got["assign"]] == ["high~0", "high~1", "low~0"]
         assert got["assign"][0]["task"]["priority"] == 5
         # a node that reports a session it was never given is told to cancel it
         got = server.heartbeat({"node_id": "busy", "load": {"free": 0}, "active": ["high~0"], "events": []})
         assert got["cancel"] == ["high~0"]
+        # the policy every node should serve goes out in the answers; what a node serves comes back
+        target = server.set_policy(3, "/ckpt/3")
+        got = server.heartbeat({"node_id": "busy", "load": {"free": 0}, "active": [], "events": [],
+                                "policy": {"target": target["id"], "version": 3, "error": None}, "db": "/n.duckdb"})
+        assert got["policy"] == target and target["version"] == 3 and not target["asleep"]
+        assert server.policy_status()["nodes"]["busy"] == {"lost": False, "db": "/n.duckdb", "policy": {
+            "target": target["id"], "version": 3, "error": None}}
+        # a node's outcome of a session is settled (its reward may be stored) once the server has it,
+        # and again when the node asks again; never for a session the server moved on from
+        done = {"session_id": "high~0", "state": "done", "reward": 1.0}
+        holds = ["high~1", "low~0"]
+        got = server.heartbeat({"node_id": "idle", "load": {"free": 0}, "active": holds, "events": [done]})
+        assert got["settled"] == ["high~0"]
+        got = server.heartbeat({"node_id": "idle", "load": {"free": 0}, "active": holds, "events": [done]})
+        assert got["settled"] == ["high~0"]
+        got = server.heartbeat({"node_id": "busy", "load": {"free": 0}, "active": [], "events": [
+            {"session_id": "high~1", "state": "done", "reward": 1.0}]})
+        assert got["settled"] == []
     finally:
         server.stop()
     _, rows = query(tmp_path / "r.duckdb", "SELECT session_id, state, node_id FROM rollout_sessions ORDER BY 1")
-    assert rows == [("high~0", "assigned", "idle"), ("high~1", "assigned", "idle"),
+    assert rows == [("high~0", "done", "idle"), ("high~1", "assigned", "idle"),
                     ("low~0", "assigned", "idle"), ("low~1", "pending", None)]
 
 
@@ -438,3 +464,34 @@ def test_a_git_workspace_is_checked_out_at_its_commit(tmp_path):
     from polar_mitm.rollout.runtime import SetupError
     with pytest.raises(SetupError, match="checkout"):
         rt.prepare("g~1", Workspace(git=str(repo), commit="0" * 40))
+
+
+def test_a_reward_is_stored_only_once_the_server_settles_the_outcome(tmp_path):
+    """A node stores a session's reward only after the server has taken its outcome as the
+    sample's (durably). An outcome the server does not take (it moved on: the session was
+    retried under a new name) leaves no reward, so a group never holds more rewarded
+    sessions than samples, even in the database the node writes."""
+    from polar_mitm.store import init_db
+
+    db = str(tmp_path / "r.duckdb")
+    init_db(db)
+
+    class MovedOn(RolloutServer):
+        def _apply(self, node_id, ev):
+            if ev.get("session_id") == "r~0" and ev.get("state") == "done":
+                return False   # as after a restart that had already given r~0 up
+            return super()._apply(node_id, ev)
+
+    server = MovedOn(db).start()
+    node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=1, ca_path="", db=db, heartbeat_s=0.1),
+                       runtime=LocalRuntime(tmp_path / "s")).start()
+    try:
+        server.submit({"task_id": "r", "instruction": "x", "harness": "command", "command": "true",
+                       "num_samples": 2, "evaluator": "echo 0.5"})
+        assert server.wait(["r"], timeout=60)
+        assert sorted(s["session_id"] for s in server.group("r")["sessions"]) == ["r~0.r2", "r~1"]
+    finally:
+        node.stop()
+        server.stop()
+    _, rows = query(db, "SELECT session_id, reward FROM sessions ORDER BY 1")
+    assert rows == [("r~0.r2", 0.5), ("r~1", 0.5)]

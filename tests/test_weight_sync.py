@@ -67,7 +67,8 @@ def test_no_call_straddles_a_sync(start_proxy):
         assert len(answers) == 16
 
     assert report["version"] == 1 and report["drained"] == 8 and report["held"] >= 1, report
-    assert policy(proxy) == {"version": 1, "checkpoint": "/ckpt/1", "holding": False, "held": 0, "in_flight": 0}
+    assert policy(proxy) == {"version": 1, "checkpoint": "/ckpt/1", "holding": False, "held": 0, "in_flight": 0,
+                            "asleep": False}
     (r0, r1, _), = fake.reloads
     for start, end, before, after in fake.served:
         assert before == after, "the weights changed under a call"
@@ -113,7 +114,7 @@ async def test_the_gate_holds_new_calls_until_the_swap_is_done():
             await asyncio.sleep(hold)
         order.append(f"{name} done")
 
-    async def swap():
+    async def swap(wake: bool):
         order.append("swap")
         await asyncio.sleep(0.05)
 
@@ -127,13 +128,47 @@ async def test_the_gate_holds_new_calls_until_the_swap_is_done():
     assert order == ["a@3", "a done", "swap", "b@4", "b done"]
     assert (report.version, report.drained, report.held) == (4, 1, 1)
 
-    async def failing():
+    async def failing(wake: bool):
         raise RuntimeError("reload failed")
     with pytest.raises(RuntimeError):
         await gate.sync(failing, 5)
     assert gate.version == 4   # the old version still serves
     async with gate.call() as v:
         assert v == 4
+
+
+async def test_a_sleeping_backend_holds_calls_until_the_sync_wakes_it():
+    import asyncio
+    gate = PolicyGate(version=1)
+    order: list[str] = []
+
+    async def call(name: str):
+        async with gate.call() as v:
+            order.append(f"{name}@{v}")
+
+    async def sleep():
+        order.append("sleep")
+
+    async def swap(wake: bool):
+        order.append(f"swap wake={wake}")
+
+    await gate.sleep(sleep)
+    assert gate.state()["asleep"] and gate.state()["holding"]
+    held = asyncio.ensure_future(call("a"))
+    await asyncio.sleep(0.05)
+    assert order == ["sleep"] and gate.held == 1      # asleep: the call waits, it is not refused
+
+    async def failing(wake: bool):
+        raise RuntimeError("no memory to wake")
+    with pytest.raises(RuntimeError):
+        await gate.sync(failing, 2)
+    await asyncio.sleep(0.05)
+    assert order == ["sleep"] and gate.asleep          # still asleep: still held
+
+    await gate.sync(swap, 2, "/c")
+    await held
+    assert order == ["sleep", "swap wake=True", "a@2"]
+    assert not gate.asleep and not gate.state()["holding"]
 
 
 def test_a_call_its_client_gave_up_on_is_recorded_as_abandoned(start_proxy):

@@ -5,6 +5,7 @@ counts and the served model, and swaps its weights in a sync."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import orjson
 from mitmproxy import ctx, exceptions
@@ -132,17 +133,33 @@ class BackendClient:
             raise BackendUnavailable("the model backend is unavailable (no model list)") from None
         return self.served_model
 
-    async def swap_weights(self, checkpoint: str, version: int) -> None:
+    async def swap_weights(self, checkpoint: str, version: int, wake: bool = False) -> dict[str, float]:
         """vLLM (dev mode) reloads the checkpoint in place, forgets its prefix cache (keys
-        and values of the old weights) and takes the version as its own tag."""
-        for path, body in (("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": checkpoint}}),
-                           ("/reset_prefix_cache", {}),
-                           ("/update_weight_version", {"new_version": str(version)})):
-            try:
-                await self._post(path, body)
-            except backend.BackendError as e:
-                if e.status == 404:
-                    raise backend.BackendError(
-                        f"the model backend has no {path}: start vLLM with VLLM_SERVER_DEV_MODE=1 "
-                        "(polar-mitm up does) to sync weights into it", status=502) from None
-                raise
+        and values of the old weights) and takes the version as its own tag. wake: it slept
+        (sleep() below): its weights' memory comes back first, the reload fills it, and
+        only then its KV cache's, so the two never peak together."""
+        steps = [("wake", "/wake_up?tags=weights", {})] if wake else []
+        steps += [("reload", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": checkpoint}})]
+        steps += [("wake", "/wake_up?tags=kv_cache", {})] if wake else []
+        steps += [("reset", "/reset_prefix_cache", {}), ("reset", "/update_weight_version", {"new_version": str(version)})]
+        seconds: dict[str, float] = {}
+        for step, path, body in steps:
+            t0 = time.monotonic()
+            await self._dev_post(path, body, "to sync weights into it")
+            seconds[f"{step}_s"] = seconds.get(f"{step}_s", 0.0) + time.monotonic() - t0
+        return seconds
+
+    async def sleep(self, level: int) -> None:
+        """vLLM frees its GPU memory for the trainer (level 2: weights and KV cache are
+        discarded; the next swap_weights(wake=True) brings both back)."""
+        await self._dev_post(f"/sleep?level={level}", {}, "and --enable-sleep-mode to colocate with the trainer")
+
+    async def _dev_post(self, path: str, body: dict, why: str) -> None:
+        try:
+            await self._post(path, body)
+        except backend.BackendError as e:
+            if e.status == 404:
+                raise backend.BackendError(
+                    f"the model backend has no {path.partition('?')[0]}: start vLLM with "
+                    f"VLLM_SERVER_DEV_MODE=1 (polar-mitm up does) {why}", status=502) from None
+            raise

@@ -25,6 +25,7 @@ class SyncReport:
     drain_s: float
     swap_s: float
     total_s: float
+    steps: dict | None = None   # the swap's own split (wake_s, reload_s, reset_s), as it gives one
 
 
 class PolicyGate:
@@ -36,6 +37,7 @@ class PolicyGate:
         self._open: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._syncing: asyncio.Lock | None = None
+        self.asleep = False     # the backend sleeps (colocated with the trainer): calls are held
 
     def _events(self) -> tuple[asyncio.Event, asyncio.Event, asyncio.Lock]:
         if self._open is None:   # made on the event loop that uses them
@@ -47,7 +49,7 @@ class PolicyGate:
     def state(self) -> dict:
         holding = self._open is not None and not self._open.is_set()
         return {"version": self.version, "checkpoint": self.checkpoint, "holding": holding,
-                "held": self.held, "in_flight": self.in_flight}
+                "held": self.held, "in_flight": self.in_flight, "asleep": self.asleep}
 
     @asynccontextmanager
     async def call(self) -> AsyncIterator[int]:
@@ -70,10 +72,30 @@ class PolicyGate:
             if not self.in_flight:
                 idle.set()
 
-    async def sync(self, swap: Callable[[], Awaitable[None]], version: int,
+    async def sleep(self, action: Callable[[], Awaitable[None]]) -> SyncReport:
+        """Hold, drain, then put the backend to sleep; calls stay held until the next sync
+        (which wakes it). If the action fails the gate opens again."""
+        is_open, idle, syncing = self._events()
+        async with syncing:
+            t0 = time.monotonic()
+            drained = self.in_flight
+            is_open.clear()
+            try:
+                await idle.wait()
+                t1 = time.monotonic()
+                await action()
+                self.asleep = True
+            finally:
+                if not self.asleep:
+                    is_open.set()
+            return SyncReport(self.version, self.checkpoint, self.held, drained, t1 - t0,
+                              time.monotonic() - t1, time.monotonic() - t0)
+
+    async def sync(self, swap: Callable[[bool], Awaitable[dict | None]], version: int,
                    checkpoint: str | None = None) -> SyncReport:
-        """Hold, drain, swap, set the version, release. One sync at a time; if the swap
-        fails the old version stays in force (and the error is raised)."""
+        """Hold, drain, swap (waking the backend if it sleeps), set the version, release. One
+        sync at a time; if the swap fails the old version stays in force (and the error is
+        raised), and a sleeping backend keeps the calls held."""
         is_open, idle, syncing = self._events()
         async with syncing:
             t0 = time.monotonic()
@@ -83,9 +105,10 @@ class PolicyGate:
                 await idle.wait()
                 t1 = time.monotonic()
                 held = self.held
-                await swap()
+                steps = await swap(self.asleep)
                 t2 = time.monotonic()
-                self.version, self.checkpoint = version, checkpoint
+                self.version, self.checkpoint, self.asleep = version, checkpoint, False
             finally:
-                is_open.set()
-            return SyncReport(version, checkpoint, held, drained, t1 - t0, t2 - t1, time.monotonic() - t0)
+                if not self.asleep:
+                    is_open.set()
+            return SyncReport(version, checkpoint, held, drained, t1 - t0, t2 - t1, time.monotonic() - t0, steps)

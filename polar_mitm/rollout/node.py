@@ -8,6 +8,8 @@ Set-up and evaluation never hold a RUN slot, and the READY buffer keeps RUN fed,
 model backend does not wait on either. The node asks the server for work in its heartbeat,
 as many sessions as it has free places for, and reports every state change there too;
 reports wait in an outbox until the server has them, so a server restart loses none.
+The heartbeat's answer also carries the policy the server wants served: the node syncs its
+own gateway (and so its vLLM) to it, in its own thread, and reports what it serves.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class NodeConfig:
     post_workers: int = 2
     ready_size: int | None = None      # READY buffer; None: the RUN capacity
     heartbeat_s: float = 0.5
+    control_token: str | None = None   # the proxy's polar_control_token: syncs go through it
 
 
 @dataclass
@@ -79,6 +82,13 @@ class GatewayNode:
         # the database; a slow answer is no reason to give up on the events it carries.
         self._client = httpx.Client(timeout=httpx.Timeout(120.0, connect=5.0), trust_env=False)
         self.heartbeats_ok = 0
+        # The policy: the server's target, and what this node serves (reported back).
+        self._policy_target: dict | None = None
+        self._policy_wake = threading.Event()
+        self._beat = threading.Event()
+        self._unsettled: dict[str, tuple] = {}          # session -> (reward, info, task), not yet settled
+        self._settled: queue.Queue[str | None] = queue.Queue()
+        self.policy: dict | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> "GatewayNode":
@@ -89,6 +99,9 @@ class GatewayNode:
             for i in range(n):
                 self._spawn(f"{self.cfg.node_id}-{name}-{i}", fn)
         self._spawn(f"{self.cfg.node_id}-heartbeat", self._heartbeat_loop)
+        self._spawn(f"{self.cfg.node_id}-policy", self._policy_loop)
+        self._rewards = threading.Thread(target=self._store_rewards, name=f"{self.cfg.node_id}-rewards", daemon=True)
+        self._rewards.start()
         return self
 
     def _spawn(self, name: str, fn) -> None:
@@ -109,10 +122,14 @@ class GatewayNode:
             time.sleep(0.05)
         self._flush_outbox()
         self._stop.set()
+        self._policy_wake.set()
+        self._beat.set()
         for _ in range(self.cfg.init_workers + self.cfg.run_workers):
             self.inbox.put(None)  # type: ignore[arg-type]
         for t in self._threads:
             t.join(timeout=2.0)
+        self._settled.put(None)       # the settled rewards are stored before stop returns
+        self._rewards.join(timeout=120.0)
         self._client.close()
 
     # -- load, as the server sees it -----------------------------------------------------
@@ -145,13 +162,15 @@ class GatewayNode:
     def _heartbeat_loop(self) -> None:
         while not self._stop.is_set():
             self._flush_outbox()
-            self._stop.wait(self.cfg.heartbeat_s)
+            self._beat.wait(self.cfg.heartbeat_s)   # or sooner: a sync's report is waited for
+            self._beat.clear()
 
     def _flush_outbox(self) -> None:
         with self._lock:
             events = list(self._outbox)
             active = list(self._held)
-        body = {"node_id": self.cfg.node_id, "load": self.load(), "active": active, "events": events}
+        body = {"node_id": self.cfg.node_id, "load": self.load(), "active": active, "events": events,
+                "policy": self.policy, "db": str(Path(self.cfg.db).resolve()) if self.cfg.db else None}
         try:
             r = self._client.post(f"{self.cfg.server_url}/nodes/heartbeat", json=body)
             r.raise_for_status()
@@ -162,6 +181,17 @@ class GatewayNode:
         self.heartbeats_ok += 1
         with self._lock:
             del self._outbox[:len(events)]   # only what the server has now
+        for sid in reply.get("settled", []):
+            self._settled.put(sid)
+        with self._lock:                     # outcomes the server did not take: no reward
+            for ev in events:
+                if ev["state"] in ("done", "timed_out", "failed") and ev["session_id"] not in reply.get("settled", []):
+                    if self._unsettled.pop(ev["session_id"], None) is not None:
+                        log.warning("%s: the server has moved on from it; its reward is not stored", ev["session_id"])
+        target = reply.get("policy")
+        if target and target != self._policy_target:
+            self._policy_target = target
+            self._policy_wake.set()
         for a in reply.get("assign", []):
             self._accept(a)
         for sid in reply.get("cancel", []):
@@ -169,6 +199,45 @@ class GatewayNode:
                 w = self._held.get(sid)
             if w is not None:
                 self._cancel(w)
+
+    # -- the policy served -----------------------------------------------------------------
+    def _policy_loop(self) -> None:
+        """Sync this node's gateway to the server's target, one target at a time; the result
+        (served, or the error) goes out in the next heartbeat."""
+        while not self._stop.is_set():
+            self._policy_wake.wait()
+            self._policy_wake.clear()
+            target = self._policy_target
+            if target is None or self._stop.is_set() or (self.policy or {}).get("target") == target["id"]:
+                continue
+            self.policy = self._apply_policy(target)
+            self._beat.set()
+
+    def _apply_policy(self, target: dict) -> dict:
+        served = {k: (self.policy or {}).get(k) for k in ("version", "checkpoint", "asleep")}
+        report: dict = {"target": target["id"], **served, "error": None}
+        if not self.cfg.control_token:
+            return {**report, "error": f"node {self.cfg.node_id} takes no syncs: its proxy has no control token"}
+        wanted = {k: target[k] for k in ("version", "checkpoint", "asleep")}
+        if served == wanted and not (self.policy or {}).get("error"):
+            return {**report, "detail": "already served"}
+        try:
+            if target["asleep"]:
+                r = self._control("/_polar/sleep", {"level": 2})   # it reloads on waking anyway
+            else:
+                r = self._control("/_polar/sync", {"checkpoint": target["checkpoint"], "version": target["version"]})
+        except httpx.HTTPError as e:
+            return {**report, "error": f"the proxy did not answer: {e}"}
+        if r.status_code != 200:
+            return {**report, "error": f"{r.status_code}: {r.text[:500]}"}
+        if target["asleep"]:
+            return {**report, "asleep": True, "detail": r.json()}
+        return {**report, **wanted, "detail": r.json()}
+
+    def _control(self, path: str, body: dict) -> httpx.Response:
+        return httpx.post(f"http://polar.sync{path}", json=body, proxy=f"http://127.0.0.1:{self.cfg.proxy_port}",
+                          headers={"authorization": f"Bearer {self.cfg.control_token}"},
+                          trust_env=False, timeout=httpx.Timeout(900.0, connect=5.0))
 
     def _accept(self, a: dict) -> None:
         w = Work(a["session_id"], task_from_json(a["task"]), a.get("attempt", 1))
@@ -267,8 +336,7 @@ class GatewayNode:
             self._report(w, "timed_out", reward=0.0, reason=reason, stats=self._stats(w))
             return
         if r.exit_code != 0:
-            reason = f"harness exited with code {r.exit_code}: {r.output_tail[-500:].strip()}"
-            self._report(w, "failed", reason=reason, stats=self._stats(w))
+            self._failed(w, f"harness exited with code {r.exit_code}: {r.output_tail[-500:].strip()}")
             return
         reward, reason = None, None
         if w.task.evaluator is not None:
@@ -293,15 +361,41 @@ class GatewayNode:
                 try:
                     reward = parse_reward(er.output_tail, er.exit_code)
                 except TaskError as e:   # nan or inf: the evaluation failed
-                    self._report(w, "failed", reason=str(e), stats=self._stats(w))
+                    self._failed(w, str(e))
                     return
             self._score(w, reward, "done", reason)
         self._report(w, "done", reward=reward, reason=reason, stats=self._stats(w))
 
+    def _failed(self, w: Work, reason: str) -> None:
+        """The policy's failure (its harness run or its answer): scored 0 under on_failure
+        "zero", left unrewarded (out of the group) under "drop"."""
+        if w.task.on_failure == "zero":
+            self._score(w, 0.0, "failed", reason)
+            self._report(w, "failed", reward=0.0, reason=reason, stats=self._stats(w))
+        else:
+            self._report(w, "failed", reason=reason, stats=self._stats(w))
+
     def _score(self, w: Work, reward: float, state: str, reason: str | None) -> None:
+        """Kept until the server settles the outcome (its heartbeat answer): a session the
+        server has moved on from (retried elsewhere after a restart) never gets a reward."""
         if self.cfg.db:
-            set_reward(self.cfg.db, w.session_id, reward, info={"state": state, "reason": reason},
-                       task_id=w.task.task_id, timeout=120.0)
+            with self._lock:
+                self._unsettled[w.session_id] = (reward, {"state": state, "reason": reason}, w.task.task_id)
+
+    def _store_rewards(self) -> None:
+        while True:
+            sid = self._settled.get()
+            if sid is None:
+                return
+            with self._lock:
+                scored = self._unsettled.pop(sid, None)
+            if scored is None:
+                continue
+            reward, info, task_id = scored
+            try:
+                set_reward(self.cfg.db, sid, reward, info=info, task_id=task_id, timeout=120.0)
+            except Exception:   # the server holds it too: the loop and `rollout` store it from there
+                log.exception("storing the reward of %s failed", sid)
 
     def _stats(self, w: Work) -> dict:
         stats = {k: v for k, v in w.stats.items() if k != "assigned_at"}

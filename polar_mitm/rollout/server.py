@@ -6,12 +6,19 @@ the server mirrors all of it in DuckDB (rollout_tasks, rollout_sessions, rollout
 a restarted server resumes: sessions on live nodes carry on, the rest are rescheduled or
 failed with a reason. A node that stops sending heartbeats is declared lost and its
 sessions run again under a new attempt name (TASK~i.rN) so that no two attempts share calls.
+
+The server also carries the policy every node should serve (set_policy: a version, its
+checkpoint, asleep or not). Nodes hear the target in their heartbeats, sync their own
+gateway and vLLM to it (node.py), and report what they serve in the next heartbeat;
+policy_status() shows who is there yet. So the loop syncs every node the same way, on one
+machine or many.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -76,6 +83,8 @@ class NodeState:
     load: dict = field(default_factory=dict)
     lost: bool = False
     in_flight: int = 0         # heartbeats being answered: a node waiting on us is alive
+    policy: dict | None = None # what it serves: version, checkpoint, asleep, target, error
+    db: str | None = None      # its proxy's database (calls and rewards)
 
 
 class RolloutServer:
@@ -93,6 +102,7 @@ class RolloutServer:
         # what heartbeats and the reaper look through, however many a long run has finished.
         self._open: dict[str, SessionState] = {}
         self.nodes: dict[str, NodeState] = {}
+        self.policy: dict | None = None       # the target every node syncs to (set_policy)
         self._dirty_tasks: set[str] = set()
         self._dirty_sessions: set[str] = set()
         self._events: list[store.Event] = []
@@ -214,6 +224,22 @@ class RolloutServer:
         self.flush()
         return True
 
+    # -- the policy the nodes serve ----------------------------------------------------------
+    def set_policy(self, version: int, checkpoint: str, asleep: bool = False) -> dict:
+        """The new target of every node (each gets a fresh id, so setting the same one again
+        is a retry); nodes sync to it in their next heartbeats."""
+        with self._lock:
+            self.policy = {"id": secrets.token_hex(4), "version": int(version), "checkpoint": str(checkpoint),
+                           "asleep": bool(asleep)}
+            self._changed.notify_all()
+            return dict(self.policy)
+
+    def policy_status(self) -> dict:
+        with self._lock:
+            return {"target": self.policy,
+                    "nodes": {n.node_id: {"lost": n.lost, "policy": n.policy, "db": n.db}
+                              for n in self.nodes.values()}}
+
     # -- node protocol -------------------------------------------------------------------
     def heartbeat(self, body: dict) -> dict:
         node_id = str(body["node_id"])
@@ -227,6 +253,7 @@ class RolloutServer:
                 node.lost = False
                 self._task_event(None, "node_returned", node_id, None)
             node.previous_seen, node.last_seen, node.load = node.last_seen, now, body.get("load") or {}
+            node.policy, node.db = body.get("policy") or node.policy, body.get("db") or node.db
             node.in_flight += 1
         try:
             with self._lock:
@@ -242,10 +269,11 @@ class RolloutServer:
 
     def _heard(self, node: NodeState, body: dict) -> dict:
         node_id, active = node.node_id, set(body.get("active") or [])
-        reported = set()
+        reported, settled = set(), []
         for ev in body.get("events") or []:
             reported.add(ev.get("session_id"))
-            self._apply(node_id, ev)
+            if self._apply(node_id, ev):
+                settled.append(ev["session_id"])
         cancel = [sid for sid in active
                   if sid not in self.sessions or self.sessions[sid].node_id != node_id
                   or self.sessions[sid].state in TERMINAL or self.sessions[sid].cancel]
@@ -255,18 +283,23 @@ class RolloutServer:
                 self._requeue(s, f"node {node_id} no longer holds it")
         assign = self._assign(node, int((body.get("load") or {}).get("free", 0)))
         self._changed.notify_all()
-        return {"assign": assign, "cancel": cancel}
+        # settled: outcomes the server holds as their sample's (durable once this answer is
+        # sent); the node stores a reward only then, so a superseded attempt never has one.
+        return {"assign": assign, "cancel": cancel, "settled": settled, "policy": self.policy}
 
-    def _apply(self, node_id: str, ev: dict) -> None:
+    def _apply(self, node_id: str, ev: dict) -> bool:
+        """One reported state change; True when it is a final outcome the server holds."""
         s = self.sessions.get(ev.get("session_id"))
         state = ev.get("state")
-        if s is None or s.node_id != node_id or s.state in TERMINAL:
-            return   # stale: the session moved on (lost node, cancelled, retried)
+        if s is None or s.node_id != node_id:
+            return False   # stale: the session moved on (lost node, retried elsewhere)
+        if s.state in TERMINAL:   # the same outcome again (our answer was lost) is still settled
+            return s.state == state
         if state == "released":      # the node is shutting down: run it again
             self._requeue(s, ev.get("reason") or f"released by node {node_id}")
-            return
+            return False
         if state not in ORDER:
-            return
+            return False
         s.state = state
         if "reward" in ev:
             s.reward = ev["reward"]
@@ -277,6 +310,7 @@ class RolloutServer:
         self._event(s, state, ev.get("reason"))
         if state in TERMINAL:
             self._check_task(self.tasks[s.task_id])
+        return state in TERMINAL
 
     def _assign(self, node: NodeState, free: int) -> list[dict]:
         if free <= 0:
@@ -505,6 +539,12 @@ def _handler(server: RolloutServer):
             if parts[0] == "tasks" and len(parts) == 2:
                 st = server.task_status(parts[1])
                 return self._send(200, st) if st else self._send(404, {"error": {"message": "no such task"}})
+            if parts == ["policy"]:
+                return self._send(200, server.policy_status())
+            if len(parts) == 3 and parts[0] == "tasks" and parts[2] == "group":
+                if parts[1] not in server.tasks:
+                    return self._send(404, {"error": {"message": "no such task"}})
+                return self._send(200, server.group(parts[1]))
             if parts == ["tasks"]:
                 with server._lock:
                     return self._send(200, {"tasks": [{"task_id": t, "state": ts.state}
@@ -525,6 +565,18 @@ def _handler(server: RolloutServer):
                         log.exception("heartbeat failed")
                         return self._send(503, {"error": {"message": f"state not saved: {e}"}})
                     return self._send(200, reply)
+                if parts == ["policy"]:
+                    if not isinstance(body, dict) or not isinstance(body.get("version"), int) \
+                            or not isinstance(body.get("checkpoint"), str):
+                        raise TypeError('expected {"version": N, "checkpoint": DIR, "asleep": false}')
+                    return self._send(200, server.set_policy(body["version"], body["checkpoint"],
+                                                             bool(body.get("asleep", False))))
+                if parts == ["groups"]:
+                    ids = (body or {}).get("task_ids") or []
+                    missing = [t for t in ids if t not in server.tasks]
+                    if missing:
+                        return self._send(404, {"error": {"message": f"no such task(s): {', '.join(missing[:5])}"}})
+                    return self._send(200, {"groups": [server.group(t) for t in ids]})
                 if parts == ["tasks"]:
                     specs = [parse_task(t) for t in (body if isinstance(body, list) else [body])]
                     out = [{"task_id": s.task_id, "sessions": server.submit(s)} for s in specs]

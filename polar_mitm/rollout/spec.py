@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 HARNESSES = ("claude", "codex", "gemini", "qwen", "pi", "command")
+ON_FAILURE = ("zero", "drop")
 _TASK_ID = re.compile(r"^[A-Za-z0-9._+=@:-]{1,120}$")   # no "~" (it separates TASK~i), no "/"
 
 
@@ -45,6 +46,9 @@ class TaskRequest:
     metadata: dict = field(default_factory=dict)
     early_stop: int | None = None       # cancel the stragglers once this many sessions finished
     command: str | None = None          # the `command` harness: a shell line run in the workspace
+    # A session whose harness exits non-zero (or whose evaluation fails): "zero" scores it 0,
+    # so its group keeps its size and GRPO's baseline stays unbiased; "drop" leaves it out.
+    on_failure: str = "zero"
 
     def session_ids(self) -> list[str]:
         return [f"{self.task_id}~{i}" for i in range(self.num_samples)]
@@ -110,10 +114,13 @@ def parse_task(data: Any, *, harness: str | None = None, samples: int | None = N
     meta = d.get("metadata") or {}
     if not isinstance(meta, dict):
         raise TaskError(f"{task_id}: metadata must be an object")
+    on_failure = d.get("on_failure", "zero")
+    if on_failure not in ON_FAILURE:
+        raise TaskError(f"{task_id}: on_failure must be one of {', '.join(ON_FAILURE)}, not {on_failure!r}")
     return TaskRequest(task_id=task_id, instruction=instruction, harness=h,
                        workspace=Workspace(**ws), num_samples=n, timeout=float(timeout),
                        evaluator=ev, priority=priority, callback_url=url, metadata=meta,
-                       early_stop=early, command=d.get("command"))
+                       early_stop=early, command=d.get("command"), on_failure=on_failure)
 
 
 def task_from_json(spec: dict) -> TaskRequest:

@@ -1,5 +1,5 @@
-"""The closed loop's bookkeeping (polar-train loop): rewards of failed sessions, and one row
-per iteration, per optimizer step and per policy version. Plain dicts in; all SQL here."""
+"""The closed loop's bookkeeping (polar-train loop): one row per iteration, per optimizer
+step and per policy version. Plain dicts in; all SQL here."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ ITERATION_COLUMNS = (
     "run_id", "iteration", "policy_version", "checkpoint", "reward_mean", "reward_std",
     "eval_reward_mean", "sessions_done", "sessions_failed", "sessions_timed_out", "calls", "tokens",
     "stale_dropped", "loss", "clip_frac", "logprob_abs_diff", "rollout_s", "train_s", "sync_s", "sync_drain_s",
-    "sync_reload_s", "per_task")
+    "sync_reload_s", "sync_reset_s", "sync_wake_s", "sleep_s", "per_task")
 
 
 def record_iteration(db: str | os.PathLike, row: dict, steps: Iterable[dict], timeout: float = 120.0) -> None:
@@ -40,20 +40,6 @@ def record_version(db: str | os.PathLike, run_id: str, version: int, checkpoint:
         con.execute("INSERT INTO policy_versions (run_id, version, checkpoint) VALUES (?, ?, ?) "
                     "ON CONFLICT DO UPDATE SET checkpoint = excluded.checkpoint, synced_at = now()",
                     [run_id, version, checkpoint])
-
-
-def zero_unrewarded(db: str | os.PathLike, session_ids: Iterable[str], reason: str,
-                    timeout: float = 120.0) -> int:
-    """on_failure "zero": sessions of a group that ended without a reward (the harness
-    failed) score 0, so the group keeps its size and GRPO's baseline stays unbiased."""
-    ids = list(session_ids)
-    if not ids:
-        return 0
-    info = orjson.dumps({"state": "failed", "reason": reason}).decode()
-    with writing(db, timeout) as con:
-        return len(con.execute(
-            f"UPDATE sessions SET reward = 0.0, reward_info = ? WHERE reward IS NULL AND session_id IN "
-            f"({', '.join('?' * len(ids))}) RETURNING session_id", [info, *ids]).fetchall())
 
 
 def iterations(db: str | os.PathLike, run_id: str, timeout: float = 30.0) -> list[dict]:

@@ -294,6 +294,13 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (run_id, version)
     );
     """,
+    # 8: the sync's steps apart (sync_reload_s is now the reload alone), and the colocated
+    # loop's sleep of vLLM during training.
+    """
+    ALTER TABLE loop_iterations ADD COLUMN sync_reset_s DOUBLE;
+    ALTER TABLE loop_iterations ADD COLUMN sync_wake_s DOUBLE;
+    ALTER TABLE loop_iterations ADD COLUMN sleep_s DOUBLE;
+    """,
 ]
 
 # What the loader writes to call_records.

@@ -1,0 +1,80 @@
+"""A rollout server over HTTP, as the loop uses it: submit tasks, read their scored groups,
+set the policy every node serves and wait until they all serve it. The same client for a
+server in this process and one on another machine."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import httpx
+
+from .spec import TaskRequest
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+class ServerClient:
+    def __init__(self, url: str, timeout: float = 120.0):
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0), trust_env=False)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _call(self, method: str, path: str, body=None) -> httpx.Response:
+        """503 means "not saved yet, retry" (the server's database was busy)."""
+        for attempt in range(6):
+            try:
+                r = self.http.request(method, self.url + path, json=body)
+            except httpx.TransportError as e:
+                if attempt == 5:
+                    raise ServerError(f"the rollout server at {self.url} does not answer: {e}") from None
+            else:
+                if r.status_code != 503:
+                    return r
+            time.sleep(0.5 * 2 ** attempt)
+        raise ServerError(f"the rollout server at {self.url} stayed busy: {r.text[:300]}")
+
+    def submit(self, spec: TaskRequest) -> bool:
+        """Queue a task; False when it is there already (a rerun resumes it)."""
+        r = self._call("POST", "/tasks", {k: v for k, v in spec.to_json().items() if v is not None})
+        if r.status_code == 409:
+            return False
+        if r.status_code != 202:
+            raise ServerError(f"{spec.task_id}: the rollout server refused it: {r.text[:500]}")
+        return True
+
+    def groups(self, task_ids: list[str]) -> list[dict]:
+        r = self._call("POST", "/groups", {"task_ids": task_ids})
+        if r.status_code != 200:
+            raise ServerError(f"the rollout server's groups: {r.text[:500]}")
+        return r.json()["groups"]
+
+    def policy_status(self) -> dict:
+        return self._call("GET", "/policy").json()
+
+    def sync_nodes(self, version: int, checkpoint: str, asleep: bool = False, timeout: float = 900.0,
+                   check: Callable[[], None] = lambda: None) -> dict[str, dict]:
+        """Every live node serves (version, checkpoint), or sleeps: set the target, then wait
+        for their reports. Returns each node's report; a node's failure raises ServerError."""
+        r = self._call("POST", "/policy", {"version": version, "checkpoint": checkpoint, "asleep": asleep})
+        if r.status_code != 200:
+            raise ServerError(f"the rollout server did not take the policy: {r.text[:500]}")
+        target = r.json()
+        deadline = time.monotonic() + timeout
+        while True:
+            nodes = {k: n for k, n in self.policy_status()["nodes"].items() if not n["lost"]}
+            done = {k: n["policy"] for k, n in nodes.items() if (n["policy"] or {}).get("target") == target["id"]}
+            failed = {k: p["error"] for k, p in done.items() if p.get("error")}
+            if failed:
+                raise ServerError("; ".join(f"node {k}: {e}" for k, e in failed.items()))
+            if nodes and len(done) == len(nodes):
+                return done
+            if time.monotonic() > deadline:
+                waiting = sorted(set(nodes) - set(done)) or ["(no node has registered)"]
+                raise ServerError(f"no sync to version {version} after {timeout:.0f}s from: {', '.join(waiting)}")
+            check()
+            time.sleep(0.1)

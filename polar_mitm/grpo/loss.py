@@ -2,8 +2,8 @@
 metrics come back from inside as sums, so micro-batches add up exactly.
 
 Three policies meet here: vLLM's (rollout logprobs, what sampled the tokens), the
-trainer's proximal one (its own detached logprob the first time it scores a token: the
-PPO "old" policy, no extra forward pass), and the current one. The PPO ratio is
+trainer's proximal one (the PPO "old" policy: the trainer's own weights at the start of
+the training call, see train.py), and the current one. The PPO ratio is
 current / proximal, clipped asymmetrically (clip-higher); the vLLM/trainer mismatch is
 corrected by truncated importance sampling, w = min(proximal / rollout, cap).
 """

@@ -3,12 +3,16 @@
 Choices, stated up front:
 - Data: every trainable call of the chosen sessions, rewarded per session. One GRPO group
   = the sessions of one task (TASK~i). Advantages are group-normalized per session and
-  put on every token that session's calls sampled.
+  put on every token that session's calls sampled; the std is the population std of the
+  group's rewards (every rewarded session counts, even one with no trainable call). Groups
+  with equal rewards carry no advantage and are left out (counted as zero_adv_groups).
 - Contexts: the `trie` builder (default) trains each sampled token in exactly the context
   vLLM sampled it in, and runs whatever a group shares once. `prefix_merging` (NVIDIA
   Polar) and `per_request` are there for comparison; all three optimize one objective.
-- Loss: PPO clipped ratio (0.2 / 0.28) against the trainer's own first logprob of each
-  token, truncated importance sampling (cap 2) for the vLLM/trainer gap, optional k3 KL;
+- Loss: PPO clipped ratio (0.2 / 0.28) against the policy at the start of the training
+  call (the first step's tokens are scored by it on their first visit, later steps' in a
+  no-grad pass up front, as PPO minibatches do), truncated importance sampling (cap 2)
+  for the vLLM/trainer gap, optional k3 KL;
   normalized per token or per session over the whole step, so micro-batches and ranks
   add up to the same gradient.
 - Micro-batches are rows of at most `token_budget` tokens; a prefix longer than a row is
@@ -19,13 +23,14 @@ Choices, stated up front:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -36,6 +41,8 @@ from .packing import merge
 from .policy import ForestRunner, TokenLogprobs
 from .rollouts import Call
 from .trajectories import BUILDERS, build
+
+logger = logging.getLogger("polar.train")
 
 
 
@@ -201,12 +208,18 @@ class Trainer:
         return self.cfg.lr * min(1.0, (self.step + 1) / warm) if warm > 0 else self.cfg.lr
 
     def train_on(self, calls: Sequence[Call], out_dir: str | os.PathLike,
-                 progress: Callable[[int, int, dict], None] | None = None) -> dict:
+                 progress: Callable[[int, int, dict], None] | None = None,
+                 session_rewards: Mapping[str, tuple[str, float]] | None = None) -> dict:
         """Optimizer steps on these calls' GRPO groups (cfg.epochs passes); writes
         metrics.jsonl and metrics.png into out_dir. Returns a summary with every step's
-        metrics."""
+        metrics. session_rewards (session -> (group, reward)): every rewarded session of the
+        groups, those with no trainable call included, so each group's baseline counts them."""
         cfg, rank, world, device = self.cfg, self.rank, self.world, self.device
         rewards = {c.session_id: c.reward for c in calls if c.reward is not None}
+        group_of = {c.session_id: c.group for c in calls}
+        for sid, (group, reward) in (session_rewards or {}).items():
+            rewards.setdefault(sid, reward)
+            group_of.setdefault(sid, group)
         calls = [c for c in calls if c.session_id in rewards]
         if not calls:
             raise TrainError("no rewarded sessions to train on (set rewards with `polar-train reward`)")
@@ -215,9 +228,17 @@ class Trainer:
         out = Path(out_dir)
 
         # data: advantages and weights depend on the calls only, never on the builder -----------
-        groups = sorted({c.group for c in calls})
-        group_of = {c.session_id: c.group for c in calls}
         adv_by_session = group_advantages(rewards, group_of, cfg.advantage)
+        # A group whose advantages are all zero (equal rewards) has no signal: it would cost a
+        # forward and backward and dilute the per-token normalization, so it is left out.
+        signal = {group_of[s] for s, a in adv_by_session.items() if a != 0.0}
+        all_groups = {c.group for c in calls}
+        zero_groups = len(all_groups - signal)
+        calls = [c for c in calls if c.group in signal]
+        if not calls:
+            logger.warning("polar-train: all %d groups have equal rewards: nothing to learn from", len(all_groups))
+            raise TrainError(f"every group's rewards are equal ({len(all_groups)} groups): no advantage to train on")
+        groups = sorted(signal & all_groups)
         adv = torch.tensor([adv_by_session[c.session_id] for c in calls], dtype=torch.float32)
         offsets = [0]
         for c in calls:
@@ -232,7 +253,14 @@ class Trainer:
                 weights[offsets[i]:offsets[i] + len(w)] = torch.tensor(w, dtype=torch.float64)
             steps.append(prepare_step(calls, idx, gs, offsets, cfg, device, rank, world, self.attention,
                                       self.lm.dtype))
+        # The PPO "old" policy is the one at the start of this call, as for PPO minibatches:
+        # the first step's tokens take it on their first visit (the weights have not moved
+        # yet); later steps' tokens are scored now, so their ratios, and the clip, act.
         proximal = torch.full((offsets[-1],), float("nan"))
+        if len(steps) > 1:
+            with torch.no_grad(), autocast():
+                for s in steps[1:]:
+                    proximal[s.flat] = s.runner.run(policy, None).to(proximal.dtype).cpu()
         ref = None
         if self.ref_policy is not None:
             ref = torch.full((offsets[-1],), float("nan"))
@@ -272,6 +300,7 @@ class Trainer:
                 m = summarize(sums)
                 sess_adv = [adv_by_session[x] for x in adv_by_session if group_of[x] in set(s.groups)]
                 m.update(step=n, global_step=self.step, lr=lr, epoch=epoch, groups=len(s.groups),
+                         zero_adv_groups=zero_groups,
                          grad_norm=grad_norm, reward_mean=r_mean, reward_std=r_std,
                          adv_mean=sum(sess_adv) / len(sess_adv), adv_std=_std(sess_adv),
                          adv_min=min(sess_adv), adv_max=max(sess_adv),
@@ -289,6 +318,7 @@ class Trainer:
             from .metrics import plot
             plot(metrics_path, out / "metrics.png")
         return {"steps": n, "calls": len(calls), "sessions": len(rewards), "groups": len(groups),
+                "zero_adv_groups": zero_groups,
                 "builder": cfg.builder, "config": _jsonable(asdict(cfg)), "last": history[-1] if history else {},
                 "history": history, "build": [s.stats for s in steps]}
 

@@ -1,0 +1,161 @@
+"""The trainer on a CUDA GPU, for a bare machine with torch and transformers only (no vLLM,
+no DuckDB, no network): run by scripts/gpu_check.sh.
+
+1. Exactness: one training step on the test groups (a tiny random Llama, synthetic harness
+   calls) on the CPU in float32 against CUDA with flex attention, in float32 and in bf16
+   autocast: loss, per-token logprobs and gradients, as differences.
+2. Speed: one forward+backward step at a Qwen3-1.7B-shaped random model (28 x 2048, GQA
+   16/8, vocabulary 151,936) on a 15k-token shared prefix with 8 samples, trie against
+   per_request: forward tokens, tokens/s and model FLOPs utilization (6 N T over the GPU's
+   dense bf16 peak; attention FLOPs left out, so it is a lower bound).
+
+    python scripts/gpu_check.py            # on the GPU machine
+    python scripts/gpu_check.py --smoke    # the same code on CPU at toy sizes (the tests run it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}   # dense, no sparsity
+
+
+def tiny_model(path: Path, vocab: int = 64) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def qwen3_shaped(path: Path, smoke: bool) -> tuple[Path, int]:
+    """Random weights in Qwen3-1.7B's shape (or a toy one); returns (dir, non-embedding params)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    shape = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                 tie_word_embeddings=True)
+    if smoke:
+        shape.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        lm = Qwen3ForCausalLM(Qwen3Config(**shape)).to(torch.bfloat16)
+    params = sum(p.numel() for n, p in lm.named_parameters() if "embed_tokens" not in n)
+    lm.save_pretrained(path)
+    del lm
+    return path, params
+
+
+def test_calls(smoke: bool):
+    from polar_mitm.grpo.synthetic import Shape, group
+    rng = random.Random(0)
+    shape = Shape(sessions=4, turns=3, shared=120 if smoke else 600, tool=(5, 20), response=(3, 12), vocab=64)
+    return [c for t in range(2) for c in group(f"t{t}", shape, rng, reward=lambda i: float(i % 2))]
+
+
+def one_step(model: str, calls, dtype: str, budget: int) -> dict:
+    """Loss, logprobs and gradients of one step at lr 0 (the weights do not move)."""
+    import torch
+
+    from polar_mitm.grpo.config import TrainConfig
+    from polar_mitm.grpo.train import Trainer
+    t = Trainer(model, TrainConfig(lr=0.0, token_budget=budget, max_grad_norm=1e30, dtype=dtype))
+    summary = t.train_on(calls, tempfile.mkdtemp(prefix="polar-gpu-check-"))
+    grads = torch.cat([p.grad.float().flatten().cpu() for p in t.policy.parameters() if p.grad is not None])
+    m = summary["history"][0]
+    return {"device": str(t.device), "attention": t.attention, "loss": m["loss"],
+            "logprob_vs_rollout": m["logprob_abs_diff"], "grads": grads, "tokens_per_s": m["tokens_per_s"],
+            "forward_tokens": m["forward_tokens"], "seconds": m["seconds"]}
+
+
+def exactness(smoke: bool, work: Path) -> None:
+    import torch
+    model = str(tiny_model(work / "tiny"))
+    calls = test_calls(smoke)
+    # the CPU reference in its own process: this one may hold the GPU
+    ref_path = work / "cpu.pt"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    subprocess.run([sys.executable, __file__, "--cpu-reference", model, str(ref_path), *(["--smoke"] if smoke else [])],
+                   check=True, env=env)
+    ref = torch.load(ref_path)
+    if not torch.cuda.is_available():
+        print("exactness: no CUDA here; the CPU reference ran (loss %.6f, %d gradient values)"
+              % (ref["loss"], ref["grads"].numel()))
+        return
+    print(f"{'run':24}{'attention':>16}{'|d loss|':>12}{'max |d grad|':>14}{'grad cosine':>13}")
+    for dtype in ("fp32", "bf16"):
+        got = one_step(model, calls, dtype, budget=256)
+        d = got["grads"] - ref["grads"]
+        cos = float(torch.nn.functional.cosine_similarity(got["grads"], ref["grads"], dim=0))
+        print(f"{'cuda ' + dtype + ' vs cpu fp32':24}{got['attention']:>16}{abs(got['loss'] - ref['loss']):>12.2e}"
+              f"{float(d.abs().max()):>14.2e}{cos:>13.6f}")
+
+
+def speed(smoke: bool, work: Path) -> None:
+    import torch
+
+    from polar_mitm.grpo.synthetic import Shape, group
+    model, params = qwen3_shaped(work / "qwen3", smoke)
+    shape = Shape(sessions=8, turns=3, shared=300 if smoke else 15000, tool=(100, 1000) if not smoke else (5, 20),
+                  response=(50, 300) if not smoke else (3, 12), drifts=0, side_calls=0,
+                  vocab=512 if smoke else 151936)
+    calls = group("task", shape, random.Random(0), reward=lambda i: float(i % 2))
+    budget = 512 if smoke else 16384
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
+    print(f"\n{name}: Qwen3-1.7B-shaped random model ({params / 1e9:.2f}B non-embedding), "
+          f"{shape.shared}-token shared prefix, {shape.sessions} samples, budget {budget}")
+    print(f"{'builder':14}{'forward tokens':>15}{'seconds':>9}{'tokens/s':>11}{'MFU':>7}")
+    for builder in ("trie", "per_request"):
+        from polar_mitm.grpo.config import TrainConfig
+        from polar_mitm.grpo.train import Trainer
+        t = Trainer(str(model), TrainConfig(lr=0.0, token_budget=budget, builder=builder, dtype="bf16",
+                                            gradient_checkpointing=not smoke))
+        t.train_on(calls, tempfile.mkdtemp(prefix="polar-gpu-warm-"))     # compiles flex, warms the allocator
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        m = t.train_on(calls, tempfile.mkdtemp(prefix="polar-gpu-speed-"))["history"][0]
+        flops = 6 * params * m["forward_tokens"]
+        mfu = f"{flops / m['seconds'] / peak:.1%}" if peak else "-"
+        print(f"{builder:14}{m['forward_tokens']:>15,}{m['seconds']:>9.2f}{m['tokens_per_s']:>11,.0f}{mfu:>7}")
+        del t
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="toy sizes, on whatever device there is")
+    ap.add_argument("--cpu-reference", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    import torch
+    if args.cpu_reference:
+        model, out = args.cpu_reference
+        r = one_step(model, test_calls(args.smoke), "fp32", budget=256)
+        torch.save({k: r[k] for k in ("loss", "grads")}, out)
+        return 0
+    print(json.dumps({"torch": torch.__version__, "cuda": torch.cuda.is_available(),
+                      "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}))
+    with tempfile.TemporaryDirectory(prefix="polar-gpu-check-") as d:
+        t0 = time.monotonic()
+        exactness(args.smoke, Path(d))
+        speed(args.smoke, Path(d))
+        print(f"\ngpu_check done in {time.monotonic() - t0:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

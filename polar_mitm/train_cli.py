@@ -12,25 +12,34 @@ from pathlib import Path
 import click
 
 from .grpo.config import AdvantageConfig, LossConfig, TrainConfig
-from .store.training import training_calls, set_rewards
+from .store.training import SAMPLING_REASONS, set_rewards, training_calls
+
+
+_T_DEFAULT = TrainConfig().temperature
 
 
 def _die(msg: str):
     raise click.ClickException(msg)
 
 
-def _load(dbs, tasks, sessions, require_reward=True):
+def _load(dbs, tasks, sessions, require_reward=True, temperature=_T_DEFAULT):
     from .grpo.rollouts import calls_from_records
     if not dbs:
         _die("give at least one --db")
     try:
         data = training_calls(dbs, tasks=list(tasks) or None, sessions=list(sessions) or None,
-                              require_reward=require_reward)
+                              require_reward=require_reward, temperature=temperature)
     except FileNotFoundError as e:
         _die(str(e))
     except Exception as e:  # a locked or foreign file: say which
         _die(f"cannot read {', '.join(dbs)}: {e}")
     return calls_from_records(data.calls), data
+
+
+def _sampling_line(data, temperature) -> str:
+    """How many calls each sampling rule left out (store.training.sampling_exclusion)."""
+    counts = ", ".join(f"{r} {data.skipped.get(r, 0)}" for r in SAMPLING_REASONS)
+    return f"not sampled as the trainer samples (temperature {temperature:g}, top_p 1, top_k off): {counts}"
 
 
 def _skipped_line(data) -> str:
@@ -78,6 +87,9 @@ def trainer_options(f):
         click.option("--max-grad-norm", default=_T.max_grad_norm, show_default=True),
         click.option("--weight-decay", default=_T.weight_decay, show_default=True),
         click.option("--gradient-checkpointing", is_flag=True, help="Recompute each row in backward (less memory)"),
+        click.option("--temperature", default=_T.temperature, show_default=True,
+                     help="The policy's sampling temperature: the gateway's (polar_sampling) and the "
+                          "trainer's; calls sampled otherwise are not trained"),
         click.option("--seed", default=_T.seed, show_default=True),
     ]):
         f = option(f)
@@ -86,13 +98,13 @@ def trainer_options(f):
 
 def train_config(*, builder, lr, warmup_steps, epochs, groups_per_step, token_budget, normalization,
                  scale_std, leave_one_out, clip_low, clip_high, tis_cap, kl_coef, max_grad_norm,
-                 weight_decay, gradient_checkpointing, seed) -> TrainConfig:
+                 weight_decay, gradient_checkpointing, temperature, seed) -> TrainConfig:
     return TrainConfig(builder=builder, lr=lr, warmup_steps=warmup_steps, epochs=epochs,
                        groups_per_step=groups_per_step, token_budget=token_budget, normalization=normalization,
                        advantage=AdvantageConfig(scale_std=scale_std, leave_one_out=leave_one_out),
                        loss=LossConfig(clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap, kl_coef=kl_coef),
                        max_grad_norm=max_grad_norm, weight_decay=weight_decay,
-                       gradient_checkpointing=gradient_checkpointing, seed=seed)
+                       gradient_checkpointing=gradient_checkpointing, temperature=temperature, seed=seed)
 
 
 @main.command()
@@ -108,13 +120,13 @@ def train(dbs, model, out, tasks, sessions, **options):
     from .grpo.train import train as run_train
 
     rank, _ = dist_env()
-    calls, data = _load(dbs, tasks, sessions)
+    cfg = train_config(**options)
+    calls, data = _load(dbs, tasks, sessions, temperature=cfg.temperature)
     if rank == 0:
         click.echo(f"{len(calls)} calls of {data.sessions} rewarded sessions; {_skipped_line(data)}")
     if not calls:
         _die("no rewarded sessions to train on: set rewards with `polar-train reward --db DB rewards.jsonl` "
              "(or check --task/--session)")
-    cfg = train_config(**options)
     model = model or _default_model()
     bar = None
 
@@ -129,7 +141,7 @@ def train(dbs, model, out, tasks, sessions, **options):
         bar.update(1, f"loss {m['loss']:+.4f} clip {m['clip_frac']:.3f} |dlp| {m['logprob_abs_diff']:.4f}")
 
     try:
-        summary = run_train(calls, model, out, cfg, progress=progress)
+        summary = run_train(calls, model, out, cfg, progress=progress, session_rewards=data.rewards)
     except TrainError as e:
         _die(str(e))
     finally:
@@ -148,16 +160,21 @@ def train(dbs, model, out, tasks, sessions, **options):
 @click.option("--model", default="", help="Also measure trainer-vs-vLLM logprob parity with this model")
 @click.option("--task", "tasks", multiple=True)
 @click.option("--session", "sessions", multiple=True)
+@click.option("--temperature", type=float, default=_T_DEFAULT, show_default=True,
+              help="The trainer's: calls vLLM sampled at another temperature are counted, not used")
 @click.option("--json", "as_json", is_flag=True)
-def stats(dbs, model, tasks, sessions, as_json):
-    """Compare the three builders on the recorded calls (and, with --model, logprob parity)."""
+def stats(dbs, model, tasks, sessions, temperature, as_json):
+    """Compare the three builders on the recorded calls (and, with --model, logprob parity),
+    after the calls each rule leaves out (the sampling rule's included)."""
     from .grpo.trajectories import BUILDERS, build
 
-    calls, data = _load(dbs, tasks, sessions, require_reward=False)
+    calls, data = _load(dbs, tasks, sessions, require_reward=False, temperature=temperature)
     if not calls:
-        _die("no trainable calls in " + ", ".join(dbs))
+        _die(f"no trainable calls in {', '.join(map(str, dbs))}; {_skipped_line(data)}")
     rows = [build(calls, b).stats.as_dict() for b in reversed(BUILDERS)]
-    report = {"skipped": dict(data.skipped), "builders": rows}
+    report = {"skipped": dict(data.skipped), "builders": rows,
+              "sampling": {"temperature": temperature,
+                           "excluded": {r: data.skipped.get(r, 0) for r in SAMPLING_REASONS}}}
     if model:
         from .grpo.train import TrainError, logprob_parity
         try:
@@ -169,6 +186,7 @@ def stats(dbs, model, tasks, sessions, as_json):
         return
     click.echo(f"{len(calls)} calls, {len({c.session_id for c in calls})} sessions, "
                f"{len({c.group for c in calls})} groups; {_skipped_line(data)}")
+    click.echo(_sampling_line(data, temperature))
     click.echo(format_builders(rows))
     if model:
         p = report["parity"]

@@ -16,11 +16,13 @@ from click.testing import CliRunner
 from conftest import Proxy
 from polar_mitm.grpo.packing import merge
 from polar_mitm.grpo.policy import ForestRunner, TokenLogprobs
-from polar_mitm.grpo.rollouts import calls_from_records
+from polar_mitm.grpo.rollouts import calls_from_records, drift_events
+from polar_mitm.grpo.train import logprob_parity
 from polar_mitm.grpo.trajectories import build
 from polar_mitm.models import DEFAULT_MODEL_NAME, default_model_dir
 from polar_mitm.store.training import training_calls
 from polar_mitm.train_cli import main as polar_train
+from vllm_parity import hf_logprobs, mean_abs, vllm_logprobs
 
 pytestmark = pytest.mark.vllm
 
@@ -33,7 +35,11 @@ TOOLS = [{"type": "function", "function": {
 
 
 def run_session(base_url: str, session: str, prompt: str, seed: int) -> list[str]:
-    """A multi-turn tool loop as a harness runs it: every turn resends the whole history."""
+    """A multi-turn tool loop as a harness runs it: every turn resends the whole history.
+    Sample 0 of each task re-renders its earlier answers as some harnesses do (trailing
+    whitespace normalized to one newline, tool arguments re-serialized), so the next
+    prompt holds other tokens than vLLM sampled: a real drift event."""
+    rerender = session.endswith("~0")
     client = openai.OpenAI(api_key=f"polar-{session}", base_url=base_url + "/v1", max_retries=0, timeout=300)
     rng = random.Random(seed)
     messages = [{"role": "system", "content": "You are a helpful assistant with tools."},
@@ -44,13 +50,20 @@ def run_session(base_url: str, session: str, prompt: str, seed: int) -> list[str
                                            max_tokens=MAX_TOKENS, temperature=1.0)
         msg = r.choices[0].message
         texts.append(msg.content or "")
+        content = (msg.content or "").rstrip() + "\n" if rerender else msg.content
         if msg.tool_calls:
-            messages.append({"role": "assistant", "content": msg.content,
-                             "tool_calls": [tc.model_dump() for tc in msg.tool_calls]})
+            calls = [tc.model_dump() for tc in msg.tool_calls]
+            if rerender:
+                for tc in calls:
+                    try:
+                        tc["function"]["arguments"] = json.dumps(json.loads(tc["function"]["arguments"]), indent=1)
+                    except ValueError:
+                        pass
+            messages.append({"role": "assistant", "content": content, "tool_calls": calls})
             for tc in msg.tool_calls:
                 messages.append({"role": "tool", "tool_call_id": tc.id, "content": f"result {rng.randint(1, 99)}"})
         else:
-            messages.append({"role": "assistant", "content": msg.content or ""})
+            messages.append({"role": "assistant", "content": content or ""})
             messages.append({"role": "user", "content": rng.choice(["Go on.", "Are you sure?", "Shorter."])})
     return texts
 
@@ -90,6 +103,16 @@ def test_trainer_logprobs_match_vllm(recorded):
           f"drift events {rows['trie']['drift_events']}")
     assert parity["tokens"] == rows["trie"]["trained_tokens"] > 0
     assert parity["mean_abs_diff"] < 0.05
+    # the re-rendering sessions drifted, and the trie trains their tokens in the contexts
+    # vLLM sampled them in: the trainer's logprobs match vLLM's on exactly those sessions
+    calls = calls_from_records(training_calls([db]).calls)
+    events = drift_events(calls)
+    drifted = {calls[d.later].session_id for d in events}
+    assert any(s.endswith("~0") for s in drifted), drifted
+    p = logprob_parity([c for c in calls if c.session_id in drifted], default_model_dir(), token_budget=2048)
+    print(f"drift: {len(events)} events in {sorted(drifted)}; their sessions' |trainer - vLLM| logprob "
+          f"mean {p['mean_abs_diff']:.4f} over {p['tokens']} tokens")
+    assert p["tokens"] > 0 and p["mean_abs_diff"] < 0.05
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +171,13 @@ def test_vllm_reloads_the_checkpoint_and_answers(trained, vllm_backend):
         after = ask()
         assert after["message"]["content"]
         lp = lambda c: [t["logprob"] for t in c["logprobs"]["content"]]  # noqa: E731
-        assert lp(after) != lp(before)     # the served weights are the trained ones
+        assert lp(after) != lp(before)     # the served weights changed...
+        prompt, tokens, served = vllm_logprobs(vllm_backend)   # ...and they are the trained ones
+        trained, initial = hf_logprobs(str(checkpoint), prompt, tokens), hf_logprobs(str(original), prompt, tokens)
+        print(f"\nafter the reload, |vLLM - checkpoint| {mean_abs(served, trained):.4f}, "
+              f"|vLLM - base| {mean_abs(served, initial):.4f}")
+        assert mean_abs(served, trained) < 0.05
+        assert mean_abs(served, trained) < mean_abs(served, initial)
     finally:
         reload(original)                   # other tests share this server
     assert ask()["logprobs"] == before["logprobs"]

@@ -22,13 +22,15 @@ def adapter(style: str) -> ModuleType:
 
 def backend_request(style: str, path: str, request_text: str, backend_params: dict) -> dict:
     """The body vLLM got for a recorded call, rebuilt from what the store keeps: the
-    harness's request text (adapted again, purely) and the stored non-message params."""
+    harness's request text (adapted again, purely) and the stored non-message params (less
+    `harness`: what the harness asked for its sampling, which vLLM did not get)."""
     import orjson
 
     from .backend import to_backend
     normalized = adapter(style).to_chat(orjson.loads(request_text), path)
     rebuilt = to_backend(normalized, backend_params.get("model", ""))
-    return {**backend_params, **{k: rebuilt[k] for k in ("messages", "tools") if k in rebuilt}}
+    return {**{k: v for k, v in backend_params.items() if k != "harness"},
+            **{k: rebuilt[k] for k in ("messages", "tools") if k in rebuilt}}
 
 
 def stream_content_type(request: dict) -> str:

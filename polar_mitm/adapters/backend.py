@@ -15,7 +15,17 @@ from .chat import AdapterError, dumps, parts_text, stable_id
 # Asked on every call so the store gets token-faithful records.
 TOKEN_FIELDS = {"logprobs": True, "top_logprobs": 0, "return_token_ids": True}
 
-_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+# The policy's own distribution, sent on every call: the trainer reproduces it (its logits at
+# its temperature, nothing cut off). The temperature is the operator's (polar_sampling,
+# 1.0 by default); every key goes out explicitly, since vLLM otherwise takes the model's
+# generation_config.json (Qwen3's: temperature 0.6, top_p 0.95, top_k 20). top_k -1 is "off"
+# in every vLLM version (0.10+ also takes 0, which older ones refuse).
+POLICY_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                   "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+# What a harness may ask for its sampling: recorded with every call (requested_sampling),
+# sent to vLLM only with harness_sampling (the operator's polar_harness_sampling).
+HARNESS_SAMPLING = ("temperature", "top_p", "top_k")
+_PASSED = ("max_tokens", "seed")
 
 
 def custom_tool_parameters(tool: dict) -> dict:
@@ -57,9 +67,22 @@ def _message(m: dict) -> dict:
     return out
 
 
+def requested_sampling(request: dict) -> dict:
+    """What the harness asked for its sampling, only what it set: temperature, top_p, top_k,
+    and the type of structured output (json_schema | json_object) it requested."""
+    out = {k: request[k] for k in HARNESS_SAMPLING if request.get(k) is not None}
+    if request.get("response_format"):
+        out["response_format"] = request["response_format"]["type"]
+    return out
+
+
 def to_backend(request: dict, served_model: str, overrides: dict | None = None,
-               max_model_len: int | None = None) -> dict:
+               max_model_len: int | None = None, *, harness_sampling: bool = False) -> dict:
     """The body POSTed to the backend's /v1/chat/completions.
+
+    Sampling is the policy's (POLICY_SAMPLING) whatever the harness asked; with
+    harness_sampling its temperature, top_p and top_k go through instead (what it leaves
+    unset stays the policy's). `overrides` (the operator's) come last.
 
     Harnesses ask for more output than open models hold (Claude Code: 64000); vLLM rejects
     max_tokens above its context length, so it is capped there and vLLM stops at the end of
@@ -82,9 +105,12 @@ def to_backend(request: dict, served_model: str, overrides: dict | None = None,
             body["tool_choice"] = choice
         if request["parallel_tool_calls"] is not None:
             body["parallel_tool_calls"] = request["parallel_tool_calls"]
-    for key in _SAMPLING:
+    body.update(POLICY_SAMPLING)
+    for key in (*_PASSED, *(HARNESS_SAMPLING if harness_sampling else ())):
         if request.get(key) is not None:
             body[key] = request[key]
+    if body["top_k"] <= 0:   # "off" (vLLM before 0.10 refuses 0, every version below -1)
+        body["top_k"] = -1
     if request["stop"]:
         body["stop"] = request["stop"]
     rf = request["response_format"]

@@ -93,6 +93,7 @@ class ModelCalls:
         self.gate = gate or PolicyGate()   # which policy version samples each call
         self.writer: CallWriter | None = None
         self.overrides: dict = {}
+        self.harness_sampling = False                       # polar_harness_sampling
         self.filters: dict[str, re.Pattern | None] = {}   # polar_model_hosts/_paths
         self.max_body = 64 * 1024 * 1024                    # polar_max_body, in bytes
         self.keepalive = 10.0
@@ -111,8 +112,13 @@ class ModelCalls:
         # traffic through to the real hosts.
         loader.add_option("polar_sampling", str, "",
                           "Sampling overrides sent to the backend, comma-separated KEY=VALUE "
-                          "(JSON values), e.g. temperature=1.0,max_tokens=512; max_tokens "
-                          "caps the harness's own value.")
+                          "(JSON values), e.g. temperature=0.8,max_tokens=512; max_tokens "
+                          "caps the harness's own value. Without them vLLM gets the policy's "
+                          "sampling: temperature 1.0, top_p 1, top_k off.")
+        loader.add_option("polar_harness_sampling", bool, False,
+                          "Send vLLM the harness's own temperature, top_p and top_k instead of "
+                          "the policy's. Its calls are recorded as sampled; polar-train leaves "
+                          "out those with truncated sampling or another temperature than its own.")
         loader.add_option("polar_model_hosts", str, "",
                           "Regex of hosts whose API calls are model calls (empty: any host).")
         loader.add_option("polar_model_paths", str, "",
@@ -143,6 +149,8 @@ class ModelCalls:
                 ctx.options.body_size_limit = str(self.max_body)
         if "polar_sampling" in updated:
             self.overrides = parse_overrides(ctx.options.polar_sampling)
+        if "polar_harness_sampling" in updated:
+            self.harness_sampling = ctx.options.polar_harness_sampling
         for name in ("polar_model_hosts", "polar_model_paths"):
             if name in updated:
                 try:
@@ -301,11 +309,14 @@ class ModelCalls:
             record.update(stream=normalized["stream"], requested_model=normalized["model"],
                           dropped=normalized["dropped"])
             served = await self.backend.served()
-            backend_body = backend.to_backend(normalized, served, self.overrides, self.backend.max_model_len)
+            backend_body = backend.to_backend(normalized, served, self.overrides, self.backend.max_model_len,
+                                              harness_sampling=self.harness_sampling)
             await self._fit_max_tokens(backend_body, session_id, len(record["request_text"]))
-            # What vLLM got besides the conversation (sampling, max_tokens as fitted, flags).
-            record.update(served_model=served, backend_params={
-                k: v for k, v in backend_body.items() if k not in ("messages", "tools")})
+            # What vLLM got besides the conversation (sampling, max_tokens as fitted, flags),
+            # and under `harness` what the harness asked for its sampling.
+            params = {k: v for k, v in backend_body.items() if k not in ("messages", "tools")}
+            params["harness"] = backend.requested_sampling(normalized)
+            record.update(served_model=served, backend_params=params)
             payload = orjson.dumps(backend_body)
         except (RecursionError, orjson.JSONEncodeError) as e:
             # Depth is checked only here (~0.1 ms a call): what orjson cannot write (255+

@@ -341,12 +341,12 @@ class Trainer:
 
 def train(calls: Sequence[Call], model_dir: str | os.PathLike, out_dir: str | os.PathLike,
           cfg: TrainConfig = TrainConfig(), progress: Callable[[int, int, dict], None] | None = None,
-          save: bool = True) -> dict:
+          save: bool = True, session_rewards: Mapping[str, tuple[str, float]] | None = None) -> dict:
     """One training call (polar-train train): a Trainer used once, then its checkpoint."""
     if not any(c.reward is not None for c in calls):
         raise TrainError("no rewarded sessions to train on (set rewards with `polar-train reward`)")
     trainer = Trainer(model_dir, cfg)
-    summary = trainer.train_on(calls, out_dir, progress)
+    summary = trainer.train_on(calls, out_dir, progress, session_rewards)
     out = Path(out_dir)
     if save:
         trainer.save(out / "checkpoint")

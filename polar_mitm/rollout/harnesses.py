@@ -8,6 +8,7 @@ only its HOME (config files) and its environment.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -60,13 +61,24 @@ def harness_root() -> Path:
     return Path(os.environ.get("POLAR_HARNESS_DIR") or cache_dir() / "harnesses")
 
 
+# Each CLI's whole dependency tree, resolved once and shipped (package-lock.json), so two
+# installs of one pinned version are the same packages (`npm ci`), not whatever npm resolves
+# that day. Regenerate with `npm install --package-lock-only` in the folder after a bump.
+LOCKS = Path(__file__).with_name("harness_locks")
+
+
+def lock_id(name: str) -> str:
+    return hashlib.sha256((LOCKS / name / "package-lock.json").read_bytes()).hexdigest()[:10]
+
+
 def install_dir(name: str) -> Path:
     pkg = PACKAGES[name]
-    return harness_root() / f"{name}-{pkg.version}"
+    return harness_root() / f"{name}-{pkg.version}-{lock_id(name)}"
 
 
 def install(name: str, *, quiet: bool = True) -> Path:
-    """npm-install a CLI at its pinned version into the cache; returns its executable."""
+    """npm-install a CLI at its pinned version, from its lockfile, into the cache; returns
+    its executable."""
     if name not in PACKAGES:
         raise ValueError(f"unknown harness {name!r}; one of {', '.join(PACKAGES)}")
     pkg, target = PACKAGES[name], install_dir(name)
@@ -77,25 +89,31 @@ def install(name: str, *, quiet: bool = True) -> Path:
     if not npm:
         raise HarnessMissing("npm is not installed (Node.js 20 or newer is needed for the harness CLIs)")
     target.mkdir(parents=True, exist_ok=True)
-    argv = [npm, "install", "--prefix", str(target), "--no-audit", "--no-fund", "--no-save",
-            "--loglevel=error", f"{pkg.npm}@{pkg.version}"]
-    done = subprocess.run(argv, capture_output=quiet, text=True, timeout=900)
+    for f in ("package.json", "package-lock.json"):
+        shutil.copyfile(LOCKS / name / f, target / f)
+    flags = ["--prefix", str(target), "--no-audit", "--no-fund", "--loglevel=error"]
+    done = subprocess.run([npm, "ci", *flags], capture_output=True, text=True, timeout=900)
+    if done.returncode != 0 and "in sync" in (done.stderr or ""):
+        # An optional platform package the registry lacks (qwen's clipboard builds) cannot be
+        # locked, and `npm ci` refuses the lock for it; `npm install` keeps to the lock's
+        # versions for everything it holds.
+        done = subprocess.run([npm, "install", "--no-save", *flags], capture_output=quiet, text=True, timeout=900)
     if done.returncode != 0 or not exe.exists():
-        raise HarnessMissing(f"npm install {pkg.npm}@{pkg.version} failed (exit {done.returncode}): "
+        raise HarnessMissing(f"npm ci of {pkg.npm}@{pkg.version} (its lockfile) failed (exit {done.returncode}): "
                              f"{(done.stderr or '')[-2000:]}")
     return exe
 
 
 def executable(name: str) -> Path:
-    """The cached install, else the CLI on PATH."""
+    """The pinned install (from its lockfile). A CLI of the same name on PATH is never used:
+    its version, and so what the policy is trained against, would be anyone's guess."""
     pkg = PACKAGES[name]
     exe = install_dir(name) / "node_modules" / ".bin" / pkg.bin
     if exe.exists():
         return exe
-    found = shutil.which(pkg.bin)
-    if found:
-        return Path(found)
-    raise HarnessMissing(f"{name} is not installed: run `polar-mitm harness install {name}`")
+    on_path = shutil.which(pkg.bin)
+    hint = f" (the {pkg.bin} on PATH, {on_path}, is not used: not the pinned {pkg.version})" if on_path else ""
+    raise HarnessMissing(f"{name} {pkg.version} is not installed: run `polar-mitm harness install {name}`{hint}")
 
 
 def proxy_env(ctx: RunContext) -> dict[str, str]:

@@ -1,6 +1,11 @@
 """What the trainer reads: the recorded calls of chosen sessions or tasks, with their
 session's reward. Plain dicts and lists out (no torch here); calls that cannot be
-trained on are skipped and counted by reason, never silently used."""
+trained on are skipped and counted by reason, never silently used.
+
+The sampling rule (sampling_exclusion): a call is trained only if vLLM sampled it from the
+distribution the trainer computes, its logits at the trainer's temperature, nothing cut off
+or constrained. It is read from what vLLM got (the call's backend_params), so databases
+recorded before the rule are judged the same way."""
 
 from __future__ import annotations
 
@@ -16,8 +21,56 @@ from .db import reading, writing
 from ..session_ids import attempt_of, task_of
 from .delta import apply_ids
 
-SKIP_REASONS = ("failed", "abandoned", "no_token_ids", "logprobs_mismatch", "no_reward", "missing_base",
-                "superseded_attempt")
+# Calls vLLM sampled from another distribution than the trainer's, by the first rule that applies.
+SAMPLING_REASONS = ("structured_output", "forced_tool_choice", "truncated_sampling", "logit_processing",
+                    "temperature_mismatch")
+SKIP_REASONS = ("failed", "abandoned", "no_token_ids", "logprobs_mismatch", *SAMPLING_REASONS, "no_reward",
+                "missing_base", "superseded_attempt")
+
+# vLLM's guided-decoding fields (a request's own, or an operator's polar_sampling override)
+_GUIDED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+# (field, value that leaves the distribution alone): any other value cuts it off (truncated)
+# or reweights it (logit processing). An absent field is the default: vLLM's own, which the
+# model's generation_config.json may change; the gateway sends each of them since the rule.
+_TRUNCATING = (("top_p", 1.0), ("top_k", -1), ("min_p", 0.0))
+_PROCESSING = (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+               ("min_tokens", 0))
+
+
+def _number(value, default: float) -> float | None:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None   # not a number vLLM would sample with: not the trainer's distribution
+    return float(value)
+
+
+def sampling_exclusion(params: dict | None, temperature: float | None = 1.0) -> str | None:
+    """Why a call whose backend got `params` (its backend_params) was not sampled from the
+    trainer's distribution at `temperature` (None: any temperature), or None when it was:
+    structured_output (response_format json_schema | json_object, or a guided_* field),
+    forced_tool_choice (tool_choice required or named: vLLM decodes it against the tools'
+    JSON schema), truncated_sampling (top_p < 1, top_k > 0, min_p > 0), logit_processing
+    (penalties, logit_bias, min_tokens, bad words, allowed token ids), temperature_mismatch."""
+    if not isinstance(params, dict):
+        return None   # nothing recorded (a call that failed before its backend request)
+    rf = params.get("response_format")
+    if (isinstance(rf, dict) and rf.get("type") not in (None, "text")) or any(
+            params.get(k) is not None for k in _GUIDED):
+        return "structured_output"
+    choice = params.get("tool_choice")
+    if choice == "required" or isinstance(choice, dict):
+        return "forced_tool_choice"
+    top_p, top_k, min_p = (_number(params.get(k), d) for k, d in _TRUNCATING)
+    if top_p is None or top_p < 1.0 or top_k is None or top_k > 0 or min_p is None or min_p > 0.0:
+        return "truncated_sampling"
+    if any(_number(params.get(k), d) != d for k, d in _PROCESSING) or any(
+            params.get(k) for k in ("logit_bias", "bad_words", "allowed_token_ids")):
+        return "logit_processing"
+    sampled = _number(params.get("temperature"), 1.0)
+    if temperature is not None and (sampled is None or abs(sampled - temperature) > 1e-6):
+        return "temperature_mismatch"
+    return None
 
 
 class TrainingCall(TypedDict):
@@ -39,6 +92,9 @@ class TrainingData:
     skipped: Counter = field(default_factory=Counter)   # reason -> calls skipped
     sessions_without_reward: int = 0
     sessions: int = 0                                   # sessions with at least one kept call
+    # Every rewarded session (one per sample) of the groups read, those with no trainable
+    # call included: session -> (group, reward). The trainer's group baselines count them all.
+    rewards: dict = field(default_factory=dict)
 
 
 # The stored rows, not the calls view: prompt ids are rebuilt here from their deltas
@@ -46,6 +102,7 @@ class TrainingData:
 _SQL = """
 SELECT c.session_id, s.task_id, c.seq, c.call_id, c.base_call, c.prompt_shared,
        c.prompt_suffix, c.token_ids, c.logprobs, c.finish_reason, c.policy_version, s.reward,
+       c.backend_params,
        CASE WHEN c.error_kind = 'abandoned' THEN 'abandoned'
             WHEN c.error IS NOT NULL OR coalesce(c.status_code, 200) >= 400 THEN 'failed' END AS failed
 FROM call_records c LEFT JOIN sessions s USING (session_id)
@@ -56,9 +113,12 @@ ORDER BY c.session_id, c.seq
 
 def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None = None,
                    sessions: list[str] | None = None, require_reward: bool = True,
-                   timeout: float = 30.0) -> TrainingData:
+                   temperature: float | None = 1.0, timeout: float = 30.0) -> TrainingData:
     """Read the trainable calls of every database (one per gateway machine), optionally
-    only those of TASKS or SESSIONS. A session id seen in two files is one session."""
+    only those of TASKS or SESSIONS. A session id seen in two files is one session, and its
+    reward may be in any of them: the one in its calls' own file, else the first file given
+    that has one. `temperature` is the trainer's: calls sampled otherwise (sampling_exclusion)
+    are skipped and counted by reason (None: temperature not checked)."""
     where, params = ["TRUE"], []
     if tasks:
         where.append(f"s.task_id IN ({', '.join('?' * len(tasks))})")
@@ -70,16 +130,24 @@ def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None 
     out = TrainingData(calls=[])
     unrewarded: set[str] = set()
     kept_sessions: set[str] = set()
+    files, rewards = [], {}   # rewards: session -> the first file's (in the order given)
+    groups: dict[str, str] = {}   # rewarded session -> its GRPO group (its task, or itself)
     for db in dbs:
         path = Path(db)
         if not path.exists():
             raise FileNotFoundError(f"no database at {path}")
         with reading(path, timeout) as con:
-            rows = con.execute(sql, params).fetchall()
+            files.append((path, con.execute(sql, params).fetchall()))
+            for session_id, task_id, reward in con.execute(
+                    "SELECT session_id, task_id, reward FROM sessions WHERE reward IS NOT NULL").fetchall():
+                rewards.setdefault(session_id, reward)
+                groups.setdefault(session_id, task_id or session_id)
+    while files:   # each file's rows are let go once read
+        path, rows = files.pop(0)
         ids: dict[str, tuple[list[int] | None, list[int]]] = {}   # call_id -> (prompt, tokens)
         current = None
         for (session_id, task_id, seq, call_id, base, shared, suffix, tokens, logprobs, finish,
-             version, reward, failed) in rows:
+             version, reward, backend_params, failed) in rows:
             if current != session_id:   # bases are always earlier calls of the same session
                 ids, current = {}, session_id
             prompt = None
@@ -103,6 +171,12 @@ def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None 
             if logprobs is None or len(logprobs) != len(tokens):
                 out.skipped["logprobs_mismatch"] += 1
                 continue
+            excluded = sampling_exclusion(orjson.loads(backend_params) if backend_params else None, temperature)
+            if excluded:
+                out.skipped[excluded] += 1
+                continue
+            if reward is None:
+                reward = rewards.get(session_id)
             if reward is None and require_reward:
                 out.skipped["no_reward"] += 1
                 unrewarded.add(session_id)
@@ -127,6 +201,14 @@ def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None 
         kept_sessions -= superseded
     out.sessions = len(kept_sessions)
     out.sessions_without_reward = len(unrewarded)
+    read = {c["task_id"] or c["session_id"] for c in out.calls}
+    chosen = [sid for sid in rewards if groups[sid] in read and (not sessions or sid in sessions)]
+    final: dict[str, int] = {}
+    for sid in chosen:
+        sample, attempt = attempt_of(sid)
+        final[sample] = max(final.get(sample, 0), attempt)
+    out.rewards = {sid: (groups[sid], float(rewards[sid])) for sid in chosen
+                   if attempt_of(sid)[1] == final[attempt_of(sid)[0]]}
     return out
 
 

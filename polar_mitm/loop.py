@@ -145,14 +145,17 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
                     serving, port=port, served_name=DEFAULT_MODEL_NAME, log_path=work / "vllm.log",
                     max_model_len=opts.max_model_len, chat_template=launch.TEMPLATES / "smollm2_tools.jinja"
                     if not opts.model else None, dtype=opts.dtype,
-                    extra_args=["--enable-sleep-mode"] if opts.colocate else None))
+                    extra_args=(["--enable-sleep-mode"] if opts.colocate else [])
+                    # vLLM's logprobs are raw (before temperature) by default: the trainer's
+                    # differ unless the temperature is 1
+                    + (["--logprobs-mode", "processed_logprobs"] if train_cfg.temperature != 1.0 else [])))
                 echo(f"vLLM ready after {time.monotonic() - t0:.0f}s")
                 backend = f"http://127.0.0.1:{port}"
             server = RolloutServer(db).start()
             server_url = server.url
             proxy, node = start_node_stack(
                 db=db, backend=backend, work=work, proxy_port=launch.free_port(), workers=opts.workers,
-                max_tokens=opts.max_tokens, server_url=server.url,
+                max_tokens=opts.max_tokens, server_url=server.url, temperature=train_cfg.temperature,
                 extra_sets=[f"polar_policy_version={state.version}"])
             services.append(proxy)
         client = ServerClient(server_url)
@@ -204,7 +207,9 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
             finals = [s for g in train_groups.values() for s in g["sessions"]]   # one per sample
             on_failure = {t.task_id + f"@{state.run_id}.{it}": t.on_failure for t in tasks}
             dbs = _store_rewards(db if not opts.server else None, client, train_groups, on_failure)
-            data = training_calls(dbs, sessions=[s["session_id"] for s in finals])
+            covers = {t.task_id + f"@{state.run_id}.{it}": t.reward_covers for t in tasks}
+            data = training_calls(dbs, sessions=[s["session_id"] for s in finals], temperature=train_cfg.temperature,
+                                  reward_covers=covers)
             calls = calls_from_records(data.calls)
             # trained: calls at most max_staleness versions behind the policy now trained
             fresh = [c for c in calls if _version_of(c) >= version - opts.max_staleness]
@@ -215,7 +220,7 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
             t1 = time.monotonic()
             history: list[dict] = []
             try:
-                summary = _train(trainer, fresh, out / "iterations" / f"{it:04d}", it, opts.iterations)
+                summary = _train(trainer, fresh, data.rewards, out / "iterations" / f"{it:04d}", it, opts.iterations)
                 history = summary["history"]
             except TrainError as e:
                 echo(f"iteration {it + 1}: nothing trained ({e})")
@@ -348,7 +353,7 @@ def _rollout_row(run_id: str, it: int, version: int, groups: dict, eval_groups: 
             "tokens": sum(len(c.tokens) for c in calls), "stale_dropped": stale, "per_task": per_task}
 
 
-def _train(trainer, calls, out: Path, it: int, iterations: int) -> dict:
+def _train(trainer, calls, rewards: dict, out: Path, it: int, iterations: int) -> dict:
     bar = None
 
     def progress(n, total, m):
@@ -360,7 +365,7 @@ def _train(trainer, calls, out: Path, it: int, iterations: int) -> dict:
         bar.update(1, f"loss {m['loss']:+.4f} clip {m['clip_frac']:.3f}")
 
     try:
-        return trainer.train_on(calls, out, progress)
+        return trainer.train_on(calls, out, progress, session_rewards=rewards)
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from .grpo.config import AdvantageConfig, LossConfig, TrainConfig
-from .store.training import SAMPLING_REASONS, set_rewards, training_calls
+from .store.training import SAMPLING_REASONS, set_rewards, task_reward_covers, training_calls
 
 
 _T_DEFAULT = TrainConfig().temperature
@@ -22,13 +22,15 @@ def _die(msg: str):
     raise click.ClickException(msg)
 
 
-def _load(dbs, tasks, sessions, require_reward=True, temperature=_T_DEFAULT):
+def _load(dbs, tasks, sessions, require_reward=True, temperature=_T_DEFAULT, reward_covers=None):
+    """reward_covers None: each task's own choice (its stored spec), else "all" or "main"."""
     from .grpo.rollouts import calls_from_records
     if not dbs:
         _die("give at least one --db")
     try:
+        covers = reward_covers or task_reward_covers(dbs)
         data = training_calls(dbs, tasks=list(tasks) or None, sessions=list(sessions) or None,
-                              require_reward=require_reward, temperature=temperature)
+                              require_reward=require_reward, temperature=temperature, reward_covers=covers)
     except FileNotFoundError as e:
         _die(str(e))
     except Exception as e:  # a locked or foreign file: say which
@@ -40,6 +42,13 @@ def _sampling_line(data, temperature) -> str:
     """How many calls each sampling rule left out (store.training.sampling_exclusion)."""
     counts = ", ".join(f"{r} {data.skipped.get(r, 0)}" for r in SAMPLING_REASONS)
     return f"not sampled as the trainer samples (temperature {temperature:g}, top_p 1, top_k off): {counts}"
+
+
+def _kinds_line(data) -> str:
+    k = data.call_kinds
+    return (f"calls of the main loop (the model each session called most) {k.get('main', 0)}, auxiliary "
+            f"(a router's, a title call's) {k.get('auxiliary', 0)}, of which left out (reward_covers main) "
+            f"{data.skipped.get('auxiliary_call', 0)}")
 
 
 def _skipped_line(data) -> str:
@@ -113,15 +122,18 @@ def train_config(*, builder, lr, warmup_steps, epochs, groups_per_step, token_bu
 @click.option("--out", required=True, help="Output directory: metrics.jsonl, metrics.png, checkpoint/")
 @click.option("--task", "tasks", multiple=True, help="Only these tasks (GRPO groups)")
 @click.option("--session", "sessions", multiple=True, help="Only these sessions")
+@click.option("--reward-covers", type=click.Choice(["all", "main"]), default=None,
+              help="Which calls a session's reward covers: all, or its main loop only (default: each "
+                   "task's reward_covers, else all)")
 @trainer_options
-def train(dbs, model, out, tasks, sessions, **options):
+def train(dbs, model, out, tasks, sessions, reward_covers, **options):
     """Run GRPO on the rewarded sessions and save a checkpoint vLLM serves."""
     from .grpo.train import TrainError, dist_env
     from .grpo.train import train as run_train
 
     rank, _ = dist_env()
     cfg = train_config(**options)
-    calls, data = _load(dbs, tasks, sessions, temperature=cfg.temperature)
+    calls, data = _load(dbs, tasks, sessions, temperature=cfg.temperature, reward_covers=reward_covers)
     if rank == 0:
         click.echo(f"{len(calls)} calls of {data.sessions} rewarded sessions; {_skipped_line(data)}")
     if not calls:
@@ -163,16 +175,19 @@ def train(dbs, model, out, tasks, sessions, **options):
 @click.option("--temperature", type=float, default=_T_DEFAULT, show_default=True,
               help="The trainer's: calls vLLM sampled at another temperature are counted, not used")
 @click.option("--json", "as_json", is_flag=True)
-def stats(dbs, model, tasks, sessions, temperature, as_json):
+@click.option("--reward-covers", type=click.Choice(["all", "main"]), default=None,
+              help="Which calls a session's reward covers (default: each task's reward_covers)")
+def stats(dbs, model, tasks, sessions, temperature, as_json, reward_covers):
     """Compare the three builders on the recorded calls (and, with --model, logprob parity),
     after the calls each rule leaves out (the sampling rule's included)."""
     from .grpo.trajectories import BUILDERS, build
 
-    calls, data = _load(dbs, tasks, sessions, require_reward=False, temperature=temperature)
+    calls, data = _load(dbs, tasks, sessions, require_reward=False, temperature=temperature,
+                        reward_covers=reward_covers)
     if not calls:
         _die(f"no trainable calls in {', '.join(map(str, dbs))}; {_skipped_line(data)}")
     rows = [build(calls, b).stats.as_dict() for b in reversed(BUILDERS)]
-    report = {"skipped": dict(data.skipped), "builders": rows,
+    report = {"skipped": dict(data.skipped), "builders": rows, "call_kinds": dict(data.call_kinds),
               "sampling": {"temperature": temperature,
                            "excluded": {r: data.skipped.get(r, 0) for r in SAMPLING_REASONS}}}
     if model:
@@ -187,6 +202,7 @@ def stats(dbs, model, tasks, sessions, temperature, as_json):
     click.echo(f"{len(calls)} calls, {len({c.session_id for c in calls})} sessions, "
                f"{len({c.group for c in calls})} groups; {_skipped_line(data)}")
     click.echo(_sampling_line(data, temperature))
+    click.echo(_kinds_line(data))
     click.echo(format_builders(rows))
     if model:
         p = report["parity"]

@@ -31,9 +31,21 @@ if [ "${POLAR_SKIP_VLLM:-0}" != 1 ]; then
     .venv-vllm/bin/pip uninstall "${PIP_FLAGS[@]}" -y torchvision torchaudio torchcodec 2>/dev/null || true
   fi
 fi
+# The session sandbox (bubblewrap), where this can install it: as root with apt-get or dnf.
+# Without it the gateway node warns at start and runs sessions in its weaker fallback sandbox.
+if ! command -v bwrap >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; } >/dev/null 2>&1 || true
+  elif [ "$(id -u)" = 0 ] && command -v dnf >/dev/null; then
+    dnf install -y -q bubblewrap >/dev/null 2>&1 || true
+  fi
+  command -v bwrap >/dev/null \
+    || echo "warning: bubblewrap (bwrap) is not installed: sessions will run without the bwrap sandbox (install the bubblewrap package as root)" >&2
+fi
 # The demo's harness (polar-mitm demo runs Pi), from npm at its pinned version.
 if command -v npm >/dev/null; then
   .venv/bin/polar-mitm harness install pi >/dev/null || echo "warning: could not install the Pi harness from npm" >&2
 fi
 echo "installed: .venv (polar-mitm, mitmproxy $(.venv/bin/python -c 'import mitmproxy.version as v; print(v.VERSION)'))"
 [ -x .venv-vllm/bin/python ] && echo "installed: .venv-vllm (vLLM)" || true
+command -v bwrap >/dev/null && echo "installed: bubblewrap $(bwrap --version | cut -d" " -f2) (the session sandbox)" || true

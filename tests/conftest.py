@@ -7,6 +7,10 @@ from polar_mitm import launch
 from polar_mitm.models import DEFAULT_MODEL_NAME, ensure_default_model
 from provider_server import ProviderServer
 
+# Session sandboxes (bwrap) see the node's system and Python read-only, and of the rest only
+# what is exposed: the stand-in harnesses here (fake_harness.py) run inside them.
+os.environ.setdefault("POLAR_SANDBOX_EXPOSE", str(Path(__file__).parent))
+
 
 @pytest.fixture
 def provider_server():

@@ -327,7 +327,8 @@ def test_an_isolated_session_reaches_the_proxy_and_nothing_else(stack, tmp_path)
     proxy, server, _ = stack
     import socket
     outside = socket.create_server(("127.0.0.1", 0))      # a listener on the node's own loopback
-    probe = tmp_path / "probe.py"
+    probe = tmp_path / "ws" / "probe.py"      # in the workspace: the sandbox sees no more of the node
+    probe.parent.mkdir()
     probe.write_text(
         "import socket, sys\n"
         "def tcp(port):\n"
@@ -340,7 +341,7 @@ def test_an_isolated_session_reaches_the_proxy_and_nothing_else(stack, tmp_path)
         "    except OSError as e: return type(e).__name__\n"
         f"print('outside', tcp({outside.getsockname()[1]}), 'proxy', tcp({proxy.port}), 'dns', dns())\n")
     server.submit({"task_id": "iso", "instruction": "x", "harness": "command", "timeout": 60,
-                   "command": f"{sys.executable} {probe} > probe.txt && {FAKE} ok 1",
+                   "workspace": str(probe.parent), "command": f"{sys.executable} probe.py > probe.txt && {FAKE} ok 1",
                    "evaluator": "cat probe.txt"})
     try:
         assert server.wait(["iso"], timeout=60)

@@ -1,12 +1,12 @@
 """The one way out of an isolated session's network namespace: a unix socket to the proxy.
 
-A session runs in a new network namespace (`unshare -n`) that has only a loopback device, so
-the harness and whatever commands the model makes it run reach nothing, except this: inside,
-127.0.0.1:PORT is forwarded over a unix socket (files cross namespaces, sockets don't) to the
-node, which forwards it to the proxy. Run as a script inside the namespace, it brings loopback
-up, listens, forks a forwarder and execs the harness, so the harness keeps its own pid and the
-forwarder dies with the session's process group. Standard library only: it starts in
-milliseconds.
+A session runs in a new network namespace (bwrap's, or `unshare -n` in the fallback sandbox)
+that has only a loopback device, so the harness and whatever commands the model makes it run
+reach nothing, except this: inside, 127.0.0.1:PORT is forwarded over a unix socket (files
+cross namespaces, sockets don't) to the node, which forwards it to the proxy. Run as a script
+inside the namespace, it brings loopback up, listens, forks a forwarder and execs the harness,
+so the harness keeps its own pid and the forwarder dies with it. Standard library only (bwrap
+runs it with `python -I -S`): it starts in milliseconds.
 
     python netbridge.py PORT UNIX_SOCKET -- HARNESS ARGV...     (PORT 0: loopback only)
 """
@@ -35,9 +35,11 @@ def die_with_parent() -> None:
 
 
 def loopback_up() -> None:
+    """Bring loopback up, unless it is (bwrap brings it up, then drops the capability to)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         flags = struct.unpack("16sh", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack("16sh", b"lo", 0)))[1]
-        fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sh", b"lo", flags | IFF_UP))
+        if not flags & IFF_UP:
+            fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sh", b"lo", flags | IFF_UP))
 
 
 def _pump(src: socket.socket, dst: socket.socket) -> None:

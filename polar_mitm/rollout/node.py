@@ -10,6 +10,11 @@ as many sessions as it has free places for, and reports every state change there
 reports wait in an outbox until the server has them, so a server restart loses none.
 The heartbeat's answer also carries the policy the server wants served: the node syncs its
 own gateway (and so its vLLM) to it, in its own thread, and reports what it serves.
+
+With its model backend's URL, the node probes it every few seconds. While it does not answer
+the node pauses: it takes no new work and starts no harness (prepared sessions wait in
+READY), and a session whose run saw the backend go down is handed back ("released": it runs
+again, and that never counts as a failed attempt) instead of failing on 503s.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from ..store import set_reward
 from . import harnesses
 from .runtime import LocalRuntime, Runtime, Sandbox, SetupError
 from .spec import TaskError, TaskRequest, parse_reward, task_from_json
+from .states import OUTCOMES, TERMINAL, Session
 
 log = logging.getLogger("polar.node")
 
@@ -48,6 +54,8 @@ class NodeConfig:
     ready_size: int | None = None      # READY buffer; None: the RUN capacity
     heartbeat_s: float = 0.5
     control_token: str | None = None   # the proxy's polar_control_token: syncs go through it
+    backend_url: str | None = None     # the model backend: probed; the node pauses while it is down
+    backend_probe_s: float = 2.0
 
 
 @dataclass
@@ -59,6 +67,22 @@ class Work:
     cancelled: bool = False
     stats: dict = field(default_factory=dict)
     result: object = None
+    outages: int | None = None        # the node's backend outages when its harness started
+
+
+def probe_backend(url: str, timeout: float = 5.0) -> str | None:
+    """None when the model backend answers (vLLM's /health, or its model list where there is
+    no /health), else what is wrong."""
+    url = url.rstrip("/")
+    try:
+        r = httpx.get(f"{url}/health", timeout=timeout, trust_env=False)
+        if r.status_code == 404:
+            r = httpx.get(f"{url}/v1/models", timeout=timeout, trust_env=False)
+    except httpx.HTTPError as e:
+        return f"the model backend at {url} does not answer: {str(e) or type(e).__name__}"
+    if r.status_code >= 500:
+        return f"the model backend at {url} answers {r.status_code}: {r.text[:200]}"
+    return None
 
 
 class GatewayNode:
@@ -73,7 +97,7 @@ class GatewayNode:
         self.post: queue.Queue[Work] = queue.Queue()
         self._lock = threading.Lock()
         self._held: dict[str, Work] = {}        # assigned and not yet finished
-        self._stage: dict[str, str] = {}
+        self._stage: dict[str, Session] = {}
         self._outbox: list[dict] = []
         self._stop = threading.Event()
         self._releasing = False
@@ -89,9 +113,18 @@ class GatewayNode:
         self._unsettled: dict[str, tuple] = {}          # session -> (reward, info, task), not yet settled
         self._settled: queue.Queue[str | None] = queue.Queue()
         self.policy: dict | None = None
+        # The backend: up (no URL: taken as up), what is wrong while it is down, and how
+        # many times it went down (a session whose run saw one is handed back).
+        self._backend_up = threading.Event()
+        self._backend_up.set()
+        self.backend_error: str | None = None
+        self.outages = 0
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> "GatewayNode":
+        if self.cfg.backend_url:
+            self._probe_backend()         # a node whose backend is down starts paused
+            self._spawn(f"{self.cfg.node_id}-backend", self._backend_loop)
         pools = [("init", self.cfg.init_workers, self._init_loop),
                  ("run", self.cfg.run_workers, self._run_loop),
                  ("post", self.cfg.post_workers, self._post_loop)]
@@ -141,18 +174,42 @@ class GatewayNode:
     def load(self) -> dict:
         with self._lock:
             stages = list(self._stage.values())
-        pre_post = sum(1 for s in stages if s != "post_run")
-        free = 0 if self._releasing else max(0, self.slots - pre_post)   # a stopping node takes none
-        return {"slots": self.slots, "free": free,
-                "running": stages.count("run"), "ready": stages.count("ready"),
-                "post_run": stages.count("post_run")}
+        pre_post = sum(1 for s in stages if s != Session.POST_RUN)
+        # a stopping node takes none, nor one whose backend is down
+        paused = self.backend_error if not self._backend_up.is_set() else None
+        free = 0 if self._releasing or paused else max(0, self.slots - pre_post)
+        load = {"slots": self.slots, "free": free,
+                "running": stages.count(Session.RUN), "ready": stages.count(Session.READY),
+                "post_run": stages.count(Session.POST_RUN)}
+        if paused:
+            load["paused"] = paused
+        return load
+
+    # -- the model backend -----------------------------------------------------------------
+    def _backend_loop(self) -> None:
+        while not self._stop.wait(self.cfg.backend_probe_s):
+            self._probe_backend()
+
+    def _probe_backend(self) -> None:
+        error = probe_backend(self.cfg.backend_url)
+        if error and self._backend_up.is_set():
+            self.outages += 1
+            self.backend_error = error
+            self._backend_up.clear()
+            log.warning("node %s paused: %s", self.cfg.node_id, error)
+        elif error:
+            self.backend_error = error
+        elif not self._backend_up.is_set():
+            self.backend_error = None
+            self._backend_up.set()
+            log.warning("node %s resumed: the model backend answers again", self.cfg.node_id)
 
     # -- reporting ---------------------------------------------------------------------
-    def _report(self, w: Work, state: str, **extra) -> None:
+    def _report(self, w: Work, state: Session, **extra) -> None:
         with self._lock:
-            if self._releasing and state == "cancelled":
-                state, extra = "released", {"reason": f"node {self.cfg.node_id} stopped"}
-            if state in ("done", "timed_out", "failed", "cancelled", "released"):
+            if self._releasing and state == Session.CANCELLED:
+                state, extra = Session.RELEASED, {"reason": f"node {self.cfg.node_id} stopped"}
+            if state in TERMINAL:
                 self._held.pop(w.session_id, None)
                 self._stage.pop(w.session_id, None)
             else:
@@ -185,7 +242,7 @@ class GatewayNode:
             self._settled.put(sid)
         with self._lock:                     # outcomes the server did not take: no reward
             for ev in events:
-                if ev["state"] in ("done", "timed_out", "failed") and ev["session_id"] not in reply.get("settled", []):
+                if ev["state"] in OUTCOMES and ev["session_id"] not in reply.get("settled", []):
                     if self._unsettled.pop(ev["session_id"], None) is not None:
                         log.warning("%s: the server has moved on from it; its reward is not stored", ev["session_id"])
         target = reply.get("policy")
@@ -245,7 +302,7 @@ class GatewayNode:
             if w.session_id in self._held:
                 return
             self._held[w.session_id] = w
-            self._stage[w.session_id] = "assigned"
+            self._stage[w.session_id] = Session.ASSIGNED
         w.stats["assigned_at"] = time.time()
         self.inbox.put(w)
 
@@ -261,17 +318,17 @@ class GatewayNode:
             if w is None:
                 return
             if w.cancelled:
-                self._report(w, "cancelled", reason="cancelled before set-up")
+                self._report(w, Session.CANCELLED, reason="cancelled before set-up")
                 continue
-            self._report(w, "init")
+            self._report(w, Session.INIT)
             t0 = time.monotonic()
             try:
                 w.sandbox = self.runtime.prepare(w.session_id, w.task.workspace)
             except (SetupError, OSError) as e:
-                self._report(w, "failed", reason=f"set-up failed: {e}")
+                self._report(w, Session.FAILED, reason=f"set-up failed: {e}")
                 continue
             w.stats["init_s"] = round(time.monotonic() - t0, 3)
-            self._report(w, "ready")
+            self._report(w, Session.READY)
             w.stats["ready_since"] = time.monotonic()
             self.ready.put(w)        # blocks while the buffer is full: INIT never runs ahead
 
@@ -282,11 +339,16 @@ class GatewayNode:
                 w = self.ready.get(timeout=0.2)
             except queue.Empty:
                 continue
+            # paused while the backend is down: the session waits here, still READY
+            while not self._backend_up.is_set() and not w.cancelled and not self._stop.is_set():
+                self._backend_up.wait(0.2)
             w.stats["ready_wait_s"] = round(time.monotonic() - w.stats.pop("ready_since"), 3)
-            if w.cancelled:
+            if w.cancelled or self._stop.is_set():
+                w.cancelled = True
                 self.post.put(w)
                 continue
-            self._report(w, "run")
+            w.outages = self.outages
+            self._report(w, Session.RUN)
             ctx = harnesses.RunContext(
                 session_id=w.session_id, instruction=w.task.instruction,
                 proxy_port=self.cfg.proxy_port, ca_path=self.cfg.ca_path,
@@ -302,7 +364,7 @@ class GatewayNode:
                                      proxy_port=self.cfg.proxy_port)
             w.stats["run_s"] = round(w.result.seconds, 3)
             w.stats["exit_code"] = w.result.exit_code
-            self._report(w, "post_run")
+            self._report(w, Session.POST_RUN)
             self.post.put(w)
 
     # -- POST_RUN ----------------------------------------------------------------------
@@ -316,7 +378,7 @@ class GatewayNode:
                 self._finish(w)
             except Exception as e:   # a report must go out whatever broke
                 log.exception("post-run of %s failed", w.session_id)
-                self._report(w, "failed", reason=f"post-run failed: {e}")
+                self._report(w, Session.FAILED, reason=f"post-run failed: {e}")
             finally:
                 if w.sandbox is not None:
                     w.sandbox.teardown()
@@ -324,16 +386,21 @@ class GatewayNode:
     def _finish(self, w: Work) -> None:
         r = w.result
         if w.cancelled or (r is not None and getattr(r, "cancelled", False)):
-            self._report(w, "cancelled", reason="cancelled", stats=self._stats(w))
+            self._report(w, Session.CANCELLED, reason="cancelled", stats=self._stats(w))
             return
         if isinstance(r, Exception):
-            self._report(w, "failed", reason=f"harness could not start: {r}", stats=w.stats)
+            self._report(w, Session.FAILED, reason=f"harness could not start: {r}", stats=w.stats)
+            return
+        if w.outages is not None and (self.outages != w.outages or not self._backend_up.is_set()):
+            # the backend went down while it ran: not the policy's doing; it runs again
+            self._report(w, Session.RELEASED, stats=self._stats(w),
+                         reason=f"the model backend went down while it ran ({self.backend_error or 'back up since'})")
             return
         if r.timed_out:
             # The calls made so far stay in the database; the session scores 0.
             reason = f"harness timed out after {w.task.timeout:g}s"
-            self._score(w, 0.0, "timed_out", reason)
-            self._report(w, "timed_out", reward=0.0, reason=reason, stats=self._stats(w))
+            self._score(w, 0.0, Session.TIMED_OUT, reason)
+            self._report(w, Session.TIMED_OUT, reward=0.0, reason=reason, stats=self._stats(w))
             return
         if r.exit_code != 0:
             self._failed(w, f"harness exited with code {r.exit_code}: {r.output_tail[-500:].strip()}")
@@ -353,7 +420,7 @@ class GatewayNode:
             w.stats["eval_s"] = round(time.monotonic() - t0, 3)
             w.stats["eval_output"] = er.output_tail[-500:]
             if er.cancelled:
-                self._report(w, "cancelled", reason="cancelled", stats=self._stats(w))
+                self._report(w, Session.CANCELLED, reason="cancelled", stats=self._stats(w))
                 return
             if er.timed_out:
                 reward, reason = 0.0, f"evaluator timed out after {ev.timeout:g}s"
@@ -363,17 +430,17 @@ class GatewayNode:
                 except TaskError as e:   # nan or inf: the evaluation failed
                     self._failed(w, str(e))
                     return
-            self._score(w, reward, "done", reason)
-        self._report(w, "done", reward=reward, reason=reason, stats=self._stats(w))
+            self._score(w, reward, Session.DONE, reason)
+        self._report(w, Session.DONE, reward=reward, reason=reason, stats=self._stats(w))
 
     def _failed(self, w: Work, reason: str) -> None:
         """The policy's failure (its harness run or its answer): scored 0 under on_failure
         "zero", left unrewarded (out of the group) under "drop"."""
         if w.task.on_failure == "zero":
-            self._score(w, 0.0, "failed", reason)
-            self._report(w, "failed", reward=0.0, reason=reason, stats=self._stats(w))
+            self._score(w, 0.0, Session.FAILED, reason)
+            self._report(w, Session.FAILED, reward=0.0, reason=reason, stats=self._stats(w))
         else:
-            self._report(w, "failed", reason=reason, stats=self._stats(w))
+            self._report(w, Session.FAILED, reason=reason, stats=self._stats(w))
 
     def _score(self, w: Work, reward: float, state: str, reason: str | None) -> None:
         """Kept until the server settles the outcome (its heartbeat answer): a session the

@@ -1,18 +1,27 @@
 """Where a session runs: its own files, its own processes, ended all together at teardown.
 
 `Runtime.prepare` makes a `Sandbox`; the node runs the harness and the evaluator in it and
-tears it down. LocalRuntime is a directory per session (workspace copy, HOME, TMPDIR) with
-every process in one process group, marked in its environment so that even processes that
-leave the group (setsid, daemons) are found and ended. A container runtime implements the
-same two classes.
+tears it down. LocalRuntime is a directory per session (workspace copy, HOME, TMPDIR) and runs
+each command in a bubblewrap sandbox (bwrap.py: its own PID, network and mount namespaces; it
+sees the system read-only and, of the node, only its own session). Where bwrap is missing or
+cannot start a sandbox, the node says so once and falls back to a weaker sandbox: every process
+in one process group, marked in its environment so that processes that leave the group
+(setsid, daemons) are found and ended, and a network namespace where `unshare -n` is allowed;
+there the harness sees the node's whole filesystem. A container runtime implements the same
+two classes.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import glob
+import json
+import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,11 +32,16 @@ from pathlib import Path
 from typing import Protocol
 
 from ..janitor import group_alive, janitor, kill_marked, uptime
+from .bwrap import NETBRIDGE, Bwrap
+from .bwrap import probe as bwrap_probe
 from .netbridge import UnixToTcp, die_with_parent
 from .spec import Workspace
 
+log = logging.getLogger("polar.sandbox")
+
 SANDBOX_MARK = "POLAR_SANDBOX"
-NETBRIDGE = str(Path(__file__).with_name("netbridge.py"))
+NET_PREFIX = "polar-net-"       # /tmp/polar-net-*: a proxy socket's directory
+KEPT = ".kept"                  # a session directory kept on purpose (keep=True)
 
 
 @functools.cache
@@ -71,16 +85,23 @@ class SetupError(RuntimeError):
 
 
 class LocalSandbox:
+    """One session's directory (work, home, tmp, logs) and the way its commands run: in a
+    bubblewrap sandbox (`bwrap`), or, the fallback, in a process group marked in its
+    environment, in a network namespace of its own where `isolate` is given."""
+
     def __init__(self, root: Path, keep: bool = False, isolate: tuple[str, ...] | None = None,
-                 mark: str | None = None):
-        self.root, self.keep, self.isolate = root, keep, isolate
-        self.network = "isolated" if isolate else "host"
+                 mark: str | None = None, bwrap: Bwrap | None = None, network: str | None = None):
+        self.root, self.keep, self.isolate, self.bwrap = root, keep, isolate, bwrap
+        self.kind = "bwrap" if bwrap else "local"
+        self.network = network or ("isolated" if isolate else "host")
         self._bridges: list[tuple[UnixToTcp, str]] = []
         self.workdir, self.home, self.tmp = root / "work", root / "home", root / "tmp"
         self.logs = root / "logs"
         self.mark = mark or uuid.uuid4().hex
         self.born = uptime()        # its processes all start after this (seconds since boot)
         self._proc: subprocess.Popen | None = None
+        self._pid1: int | None = None   # bwrap: the sandbox's PID 1, as this node sees it
+        self.lock = None                # its runtime's lock on the sessions' directory, held while it lives
         self._cancelled = False
 
     def run(self, argv: list[str], env: dict[str, str], timeout: float, log_name: str,
@@ -88,15 +109,15 @@ class LocalSandbox:
         t0 = time.monotonic()
         if self._cancelled:
             return RunResult(None, False, True, 0.0, "cancelled before start")
-        if self.isolate:
-            argv = self._isolated(argv, proxy_port)
+        if self.bwrap:
+            argv = self._bwrapped(argv, env, proxy_port)
+        else:
+            env = {**env, SANDBOX_MARK: self.mark}
+            if self.isolate:
+                argv = self._isolated(argv, proxy_port)
         log = self.logs / f"{log_name}.log"
         with open(log, "wb") as out:
-            proc = subprocess.Popen(argv, cwd=self.workdir, env={**env, SANDBOX_MARK: self.mark},
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True,   # its own process group
-                                    preexec_fn=die_with_parent)   # and it dies if the node does
-            self._proc = proc
+            proc = self._start(argv, env, out)
             if self._cancelled:      # cancel() ran between the check above and Popen
                 self.cancel()
             timed_out = False
@@ -104,23 +125,78 @@ class LocalSandbox:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 timed_out = True
-            # The harness may leave tool processes behind (servers, sleeps): end the group
-            # now, whatever happened, so the evaluator sees a quiet workspace.
-            self._end_group(proc)
-            self._proc = None
+            # The harness may leave tool processes behind (servers, sleeps): end them now,
+            # whatever happened, so the evaluator sees a quiet workspace.
+            if self.bwrap:
+                self._end_sandbox(proc)
+            else:
+                self._end_group(proc)
+            self._proc = self._pid1 = None
         code = None if (timed_out or self._cancelled) else proc.returncode
         return RunResult(code, timed_out and not self._cancelled, self._cancelled,
                          time.monotonic() - t0, _tail(log))
 
+    def _start(self, argv: list[str], env: dict[str, str], out) -> subprocess.Popen:
+        kw = dict(cwd=self.workdir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                  start_new_session=True,        # its own process group
+                  preexec_fn=die_with_parent)    # and it dies if the node does
+        if not self.bwrap:
+            self._proc = subprocess.Popen(argv, **kw)
+            return self._proc
+        # bwrap tells where its PID 1 is (JSON on --info-fd, written and closed at its start)
+        r, w = os.pipe()
+        with os.fdopen(r, "rb") as f:
+            try:
+                self._proc = subprocess.Popen([argv[0], "--info-fd", str(w), *argv[1:]], pass_fds=(w,), **kw)
+            finally:
+                os.close(w)
+            info = f.read()
+        try:
+            self._pid1 = int(json.loads(info)["child-pid"])
+        except (ValueError, KeyError, TypeError):
+            self._pid1 = None        # it failed to start; its exit status says why
+        return self._proc
+
+    def _bwrapped(self, argv: list[str], env: dict[str, str], proxy_port: int | None) -> list[str]:
+        sock_dir = None
+        if proxy_port and self.network == "isolated":
+            sock_dir = self._bridge(proxy_port)
+        return self.bwrap.argv(argv, rw=[self.workdir, self.home, self.tmp], ro=[self.logs], env=env,
+                               cwd=self.workdir, network=self.network, proxy_port=proxy_port, sock_dir=sock_dir,
+                               hide=[self.root.parent])
+
+    def _bridge(self, proxy_port: int) -> str:
+        """A unix socket, in a directory of its own, that leads to the proxy's port."""
+        d = tempfile.mkdtemp(prefix=NET_PREFIX, dir="/tmp")   # unix socket paths are short
+        self._bridges.append((UnixToTcp(os.path.join(d, "proxy.sock"), proxy_port), d))
+        return d
+
     def _isolated(self, argv: list[str], proxy_port: int | None) -> list[str]:
         """A new network namespace with loopback only; with proxy_port, 127.0.0.1:proxy_port
         inside leads to the proxy through a unix socket, and nowhere else does."""
-        sock = ""
-        if proxy_port:
-            d = tempfile.mkdtemp(prefix="polar-net-", dir="/tmp")   # unix socket paths are short
-            sock = os.path.join(d, "proxy.sock")
-            self._bridges.append((UnixToTcp(sock, proxy_port), d))
+        sock = os.path.join(self._bridge(proxy_port), "proxy.sock") if proxy_port else ""
         return [*self.isolate, sys.executable, NETBRIDGE, str(proxy_port or 0), sock or "-", "--", *argv]
+
+    def _end_sandbox(self, proc: subprocess.Popen) -> None:
+        """SIGKILL the sandbox's PID 1: the kernel ends every process of its PID namespace,
+        and bwrap exits once they are all gone."""
+        if proc.poll() is None:
+            self._kill_sandbox(proc)
+        try:
+            proc.wait(timeout=10.0)
+        except subprocess.TimeoutExpired:    # never seen; bwrap's own death ends PID 1 too
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def _kill_sandbox(self, proc: subprocess.Popen) -> None:
+        pid1 = self._pid1
+        try:
+            if pid1 is not None and proc.poll() is None:   # bwrap has not reaped it: still ours
+                os.kill(pid1, signal.SIGKILL)
+            else:
+                os.killpg(proc.pid, signal.SIGKILL)        # bwrap; PID 1 dies with it (--die-with-parent)
+        except ProcessLookupError:
+            pass
 
     def _end_group(self, proc: subprocess.Popen) -> None:
         for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
@@ -139,48 +215,86 @@ class LocalSandbox:
     def cancel(self) -> None:
         self._cancelled = True
         proc = self._proc
-        if proc is not None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if proc is None:
+            return
+        if self.bwrap:
+            self._kill_sandbox(proc)
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     def teardown(self) -> None:
-        kill_marked(f"{SANDBOX_MARK}={self.mark}", self.born)
+        if not self.bwrap:      # in bwrap, nothing outlives its run
+            kill_marked(f"{SANDBOX_MARK}={self.mark}", self.born)
         for bridge, d in self._bridges:
             bridge.close()
             shutil.rmtree(d, ignore_errors=True)
         self._bridges.clear()
         if not self.keep:
             shutil.rmtree(self.root, ignore_errors=True)
+        elif self.root.exists():
+            (self.root / KEPT).touch()     # kept on purpose: the next start leaves it
 
 
 class LocalRuntime:
-    """Sandboxes under one directory on this machine. network: "isolated" (a network
-    namespace per session that reaches only the proxy), "host", or "auto" (isolated where
-    the machine allows it)."""
+    """Sandboxes under one directory on this machine.
 
-    def __init__(self, base: str | Path | None = None, keep: bool = False, network: str = "auto"):
+    sandbox: "bwrap" (bubblewrap; an error where it cannot start one), "local" (the fallback:
+    process groups and environment marks), or "auto" (bwrap where it works, else the fallback
+    with one warning); default $POLAR_SANDBOX or "auto". network: "isolated" (a network
+    namespace per session that reaches only the proxy), "host", or "auto" (isolated where the
+    machine allows it; always, with bwrap). expose: more of the node's paths that sessions see
+    read-only (also $POLAR_SANDBOX_EXPOSE), besides the system, the node's Python, Node.js and
+    the harness installs.
+
+    The runtime holds base/.lock while it lives; a runtime that gets it removes what a killed
+    one left in base (session directories not kept on purpose), and, on any start, proxy
+    sockets in /tmp that nothing serves any more."""
+
+    def __init__(self, base: str | Path | None = None, keep: bool = False, network: str = "auto",
+                 sandbox: str | None = None, expose=()):
         self.base = Path(base) if base else Path(tempfile.mkdtemp(prefix="polar-sessions-"))
         self.base.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.keep = keep
         if network not in ("auto", "isolated", "host"):
             raise ValueError(f"network must be auto, isolated or host, not {network!r}")
-        self.isolate = None if network == "host" else unshare_argv()
-        if network == "isolated" and self.isolate is None:
-            raise RuntimeError("network isolation asked for, but `unshare -n` is not allowed here")
+        sandbox = sandbox or os.environ.get("POLAR_SANDBOX") or "auto"
+        if sandbox not in ("auto", "bwrap", "local"):
+            raise ValueError(f"sandbox must be auto, bwrap or local, not {sandbox!r}")
+        self.bwrap: Bwrap | None = None
+        if sandbox != "local":
+            self.bwrap, why = bwrap_probe(tuple(str(p) for p in expose))
+            if self.bwrap is None:
+                if sandbox == "bwrap":
+                    raise RuntimeError(f"the bwrap sandbox was asked for, but {why}")
+                _warn_fallback(why)
+        self.sandbox = "bwrap" if self.bwrap else "local"
+        if self.bwrap:
+            self.isolate = None
+            self.network = "host" if network == "host" else "isolated"
+        else:
+            self.isolate = None if network == "host" else unshare_argv()
+            if network == "isolated" and self.isolate is None:
+                raise RuntimeError("network isolation asked for, but `unshare -n` is not allowed here")
+            self.network = "isolated" if self.isolate else "host"
         # Each sandbox's mark starts with this runtime's: if this process dies without a
         # teardown (SIGKILL), its janitor ends every process of every sandbox it ran.
         self.mark = uuid.uuid4().hex
         self._watched = False
+        self._lock = _claim(self.base)     # held while this runtime or one of its sandboxes lives
+        sweep_bridges()
 
     def prepare(self, session_id: str, workspace: Workspace) -> LocalSandbox:
         safe = session_id.replace("/", "_").replace("~", "-")
         root = Path(tempfile.mkdtemp(prefix=f"{safe}-", dir=self.base))
-        if not self._watched:
+        if not self._watched and not self.bwrap:     # bwrap's sandboxes die with this process
             janitor().watch_marks(f"{SANDBOX_MARK}={self.mark}.", uptime())
             self._watched = True
-        box = LocalSandbox(root, self.keep, self.isolate, mark=f"{self.mark}.{uuid.uuid4().hex}")
+        box = LocalSandbox(root, self.keep, self.isolate, mark=f"{self.mark}.{uuid.uuid4().hex}",
+                           bwrap=self.bwrap, network=self.network)
+        box.lock = self._lock
         for d in (box.home, box.tmp, box.logs):
             d.mkdir(mode=0o700)
         try:
@@ -189,6 +303,58 @@ class LocalRuntime:
             box.teardown()
             raise
         return box
+
+
+_warned: set[str] = set()
+
+
+def _warn_fallback(why: str) -> None:
+    if why in _warned:          # once per process
+        return
+    _warned.add(why)
+    log.warning("WARNING: sessions run WITHOUT the bwrap sandbox: %s. The fallback keeps each session "
+                "in its own process group and, where `unshare -n` is allowed, its own network; it "
+                "sees this machine's whole filesystem (the CA key, the databases, other sessions). "
+                "Install bubblewrap (scripts/install.sh does, as root) for a real sandbox.", why)
+
+
+def _claim(base: Path):
+    """Lock base/.lock (released when the file returned is closed or collected, or this
+    process ends); if no live runtime held it, remove what a killed one left in base.
+    None: another live runtime uses base, and nothing is removed."""
+    f = open(base / ".lock", "a")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        log.warning("%s is in use by another live runtime: its sessions are left alone", base)
+        return None
+    for entry in base.iterdir():
+        if entry.name != ".lock" and entry.is_dir() and not (entry / KEPT).exists():
+            shutil.rmtree(entry, ignore_errors=True)
+    return f
+
+
+def sweep_bridges(min_age: float = 60.0) -> None:
+    """Remove the proxy sockets' directories in /tmp that no live node serves any more (a
+    killed run's); a new one (its socket about to be bound) is left alone."""
+    now = time.time()
+    for d in glob.glob(os.path.join("/tmp", NET_PREFIX + "*")):
+        sock = os.path.join(d, "proxy.sock")
+        try:
+            if os.path.exists(sock):
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.settimeout(1.0)
+                    try:
+                        s.connect(sock)
+                        continue                # served: a live node's
+                    except (ConnectionRefusedError, FileNotFoundError):
+                        pass
+            elif now - os.stat(d).st_mtime < min_age:
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _materialize(ws: Workspace, dest: Path) -> None:

@@ -12,30 +12,35 @@ checkpoint, asleep or not). Nodes hear the target in their heartbeats, sync thei
 gateway and vLLM to it (node.py), and report what they serve in the next heartbeat;
 policy_status() shows who is there yet. So the loop syncs every node the same way, on one
 machine or many.
+
+This class is the server's state and its Python API; http_api.py serves the same over HTTP
+(FastAPI on uvicorn, in a thread started by start()), and states.py holds the states.
 """
 
 from __future__ import annotations
 
-import json
+import heapq
 import logging
 import secrets
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 import httpx
 
 from ..store import rollouts as store
-from .spec import TaskError, TaskRequest, parse_task, task_from_json
+from .http_api import ThreadedUvicorn, make_app
+from .spec import TaskChanged, TaskExists, TaskRequest, check_workspace, parse_task, spec_changes, task_from_json
+from .states import (FINISHED, NODE_STATES, NOT_STARTED, ORDER, TASK_SETTLED, TERMINAL, Callback, ServerEvent,
+                     Session, Task)
 
 log = logging.getLogger("polar.rollout")
 
-TERMINAL = frozenset({"done", "timed_out", "failed", "cancelled", "lost"})
-FINISHED = frozenset({"done", "timed_out"})      # what early_stop counts
-NODE_STATES = ("assigned", "init", "ready", "run", "post_run")
-ORDER = ("pending",) + NODE_STATES + ("done", "timed_out", "failed", "cancelled", "lost")
+# The states of sessions, tasks and callbacks (and TERMINAL, FINISHED, NODE_STATES, ORDER):
+# states.py. An attempt ends "lost" when its node failed it, "released" when its node handed it
+# back (that never counts as a failed attempt).
+__all__ = ["RolloutServer", "TERMINAL", "FINISHED", "NODE_STATES", "ORDER"]
 
 
 @dataclass
@@ -44,7 +49,7 @@ class SessionState:
     task_id: str
     sample: int
     attempt: int = 1
-    state: str = "pending"
+    state: Session = Session.PENDING
     node_id: str | None = None
     reward: float | None = None
     reason: str | None = None
@@ -62,8 +67,8 @@ class SessionState:
 class TaskState:
     spec: TaskRequest
     order: int
-    state: str = "queued"
-    callback_state: str | None = None
+    state: Task = Task.QUEUED
+    callback_state: Callback | None = None
     callback_tries: int = 0
     cancel_reason: str | None = None
     latest: dict[int, str] = field(default_factory=dict)     # sample -> its current session id
@@ -90,9 +95,14 @@ class NodeState:
 class RolloutServer:
     def __init__(self, db: str, *, host: str = "127.0.0.1", port: int = 0, node_timeout: float = 10.0,
                  max_attempts: int = 3, flush_s: float = 0.2, callback_tries: int = 8,
-                 callback_backoff: float = 0.5):
+                 callback_backoff: float = 0.5, callback_timeout: float = 10.0, callback_workers: int = 16,
+                 check_workspaces: bool = True):
         self.db, self.node_timeout, self.max_attempts = str(db), node_timeout, max_attempts
         self.flush_s, self.max_callback_tries, self.callback_backoff = flush_s, callback_tries, callback_backoff
+        self.callback_workers = callback_workers
+        # A task's workspace is checked on submission (it must be there on this machine: with
+        # nodes elsewhere and workspaces only there, turn it off).
+        self.check_workspaces = check_workspaces
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._flush_lock = threading.Lock()
@@ -106,29 +116,33 @@ class RolloutServer:
         self._dirty_tasks: set[str] = set()
         self._dirty_sessions: set[str] = set()
         self._events: list[store.Event] = []
-        self._callbacks: list[str] = []
+        # callbacks to post: (when, attempt, task_id), each task on its own schedule
+        self._callbacks: list[tuple[float, int, str]] = []
+        self._callback_tasks: set[str] = set()       # queued or being posted
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._httpd = ThreadingHTTPServer((host, port), _handler(self))
-        self._httpd.daemon_threads = True
-        self.url = f"http://{host}:{self._httpd.server_address[1]}"
-        self._client = httpx.Client(timeout=10.0, trust_env=False)
+        # The HTTP API (http_api.py: FastAPI on uvicorn, in a thread); bound here, so port 0
+        # (any free port) is known in .url at once.
+        self._http = ThreadedUvicorn(make_app(self), host, port, name="rollout-http")
+        self.url = f"http://{host}:{self._http.port}"
+        self._client = httpx.Client(timeout=httpx.Timeout(callback_timeout, connect=min(5.0, callback_timeout)),
+                                    trust_env=False, limits=httpx.Limits(max_connections=callback_workers))
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> "RolloutServer":
         store.ensure(self.db)
         self._restore()
-        for name, fn in (("http", self._httpd.serve_forever), ("journal", self._journal_loop),
-                         ("reaper", self._reaper_loop), ("callbacks", self._callback_loop)):
+        for name, fn in (("journal", self._journal_loop), ("reaper", self._reaper_loop),
+                         ("callbacks", self._callback_loop)):
             t = threading.Thread(target=fn, name=f"rollout-{name}", daemon=True)
             t.start()
             self._threads.append(t)
+        self._http.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        self._http.stop()
         with self._changed:
             self._changed.notify_all()
         for t in self._threads:
@@ -141,12 +155,13 @@ class RolloutServer:
         now = time.monotonic()
         with self._lock:
             for i, t in enumerate(tasks):
-                ts = TaskState(task_from_json(t["spec"]), i, t["state"], t["callback_state"], t["callback_tries"])
+                ts = TaskState(task_from_json(t["spec"]), i, Task(t["state"]),
+                               Callback(t["callback_state"]) if t["callback_state"] else None, t["callback_tries"])
                 self.tasks[ts.spec.task_id] = ts
-                if ts.callback_state == "pending":
-                    self._callbacks.append(ts.spec.task_id)
+                if ts.callback_state == Callback.PENDING:
+                    self._queue_callback(ts.spec.task_id)
             for r in sessions:
-                s = SessionState(r["session_id"], r["task_id"], r["sample"], r["attempt"], r["state"],
+                s = SessionState(r["session_id"], r["task_id"], r["sample"], r["attempt"], Session(r["state"]),
                                  r["node_id"], r["reward"], r["reason"], r["stats"], assigned_at=now)
                 self._add(s, self.tasks[s.task_id])
                 if s.state in NODE_STATES and s.node_id:
@@ -156,11 +171,15 @@ class RolloutServer:
 
     # -- Python API ----------------------------------------------------------------------
     def submit(self, task: TaskRequest | dict) -> list[str]:
-        """Queue a task; returns its session ids once they are durable in the database."""
+        """Queue a task; returns its session ids once they are durable in the database. The
+        same task again raises TaskExists (a rerun resumes it); another spec under the same
+        task_id raises TaskChanged; a workspace that is not there, a TaskError."""
         spec = task if isinstance(task, TaskRequest) else parse_task(task)
+        self._known(spec)
+        if self.check_workspaces:
+            check_workspace(spec)
         with self._lock:
-            if spec.task_id in self.tasks:
-                raise TaskError(f"task {spec.task_id} already exists")
+            self._known(spec)       # again: another submission may have come in meanwhile
             ts = TaskState(spec, len(self.tasks))
             self.tasks[spec.task_id] = ts
             self._dirty_tasks.add(spec.task_id)
@@ -168,17 +187,27 @@ class RolloutServer:
             for i, sid in enumerate(spec.session_ids()):
                 s = SessionState(sid, spec.task_id, i)
                 self._add(s, ts)
-                self._event(s, "pending", None)
+                self._event(s, Session.PENDING, None)
                 ids.append(sid)
         self.flush()
         return ids
+
+    def _known(self, spec: TaskRequest) -> None:
+        with self._lock:
+            ts = self.tasks.get(spec.task_id)
+            if ts is None:
+                return
+            changes = spec_changes(ts.spec, spec)
+        if changes:
+            raise TaskChanged(spec.task_id, changes)
+        raise TaskExists(f"task {spec.task_id} already exists")
 
     def cancel(self, task_id: str, reason: str = "cancelled by request") -> bool:
         with self._lock:
             ts = self.tasks.get(task_id)
             if ts is None:
                 return False
-            if ts.state in ("done", "cancelled"):
+            if ts.state in TASK_SETTLED:
                 return True
             ts.cancel_reason = reason
             self._stop_stragglers(ts, reason)
@@ -193,6 +222,11 @@ class RolloutServer:
             return {"task_id": task_id, "state": ts.state, "callback_state": ts.callback_state,
                     "sessions": [self._public(self.sessions[sid]) for sid in self._task_sessions(task_id)]}
 
+    def task_list(self) -> list[dict]:
+        """Every task and its state, in the order submitted."""
+        with self._lock:
+            return [{"task_id": t, "state": ts.state} for t, ts in self.tasks.items()]
+
     def status(self) -> dict:
         with self._lock:
             counts: dict[str, int] = {}
@@ -202,7 +236,7 @@ class RolloutServer:
                     counts[st] = counts.get(st, 0) + 1
             rewards = [s.reward for s in self.sessions.values() if s.reward is not None]
             return {"tasks": {k: sum(1 for t in self.tasks.values() if t.state == k)
-                              for k in ("queued", "running", "done", "cancelled")},
+                              for k in Task},
                     "sessions": {k: counts[k] for k in ORDER if k in counts},
                     "rewards": {"n": len(rewards), "mean": sum(rewards) / len(rewards) if rewards else None},
                     "nodes": {n.node_id: {"lost": n.lost, "seen_s_ago": round(time.monotonic() - n.last_seen, 1),
@@ -214,8 +248,8 @@ class RolloutServer:
         with self._changed:
             while True:
                 ids = task_ids if task_ids is not None else list(self.tasks)
-                if all(self.tasks[t].state in ("done", "cancelled")
-                       and self.tasks[t].callback_state in (None, "sent", "failed") for t in ids):
+                if all(self.tasks[t].state in TASK_SETTLED
+                       and self.tasks[t].callback_state in (None, Callback.SENT, Callback.FAILED) for t in ids):
                     break
                 left = None if deadline is None else deadline - time.monotonic()
                 if (left is not None and left <= 0) or self._stop.is_set():
@@ -248,10 +282,10 @@ class RolloutServer:
             node = self.nodes.get(node_id)
             if node is None:
                 node = self.nodes[node_id] = NodeState(node_id, now, now)
-                self._task_event(None, "node_registered", node_id, None)
+                self._task_event(None, ServerEvent.NODE_REGISTERED, node_id, None)
             elif node.lost:
                 node.lost = False
-                self._task_event(None, "node_returned", node_id, None)
+                self._task_event(None, ServerEvent.NODE_RETURNED, node_id, None)
             node.previous_seen, node.last_seen, node.load = node.last_seen, now, body.get("load") or {}
             node.policy, node.db = body.get("policy") or node.policy, body.get("db") or node.db
             node.in_flight += 1
@@ -295,12 +329,12 @@ class RolloutServer:
             return False   # stale: the session moved on (lost node, retried elsewhere)
         if s.state in TERMINAL:   # the same outcome again (our answer was lost) is still settled
             return s.state == state
-        if state == "released":      # the node is shutting down: run it again
-            self._requeue(s, ev.get("reason") or f"released by node {node_id}")
+        if state == Session.RELEASED:      # the node stopped, or its backend went down: run it again
+            self._requeue(s, ev.get("reason") or f"released by node {node_id}", counted=False)
             return False
         if state not in ORDER:
             return False
-        s.state = state
+        s.state = Session(state)
         if "reward" in ev:
             s.reward = ev["reward"]
         if ev.get("reason"):
@@ -315,45 +349,50 @@ class RolloutServer:
     def _assign(self, node: NodeState, free: int) -> list[dict]:
         if free <= 0:
             return []
-        pending = [s for s in self._live() if s.state == "pending" and not s.cancel]
+        pending = [s for s in self._live() if s.state == Session.PENDING and not s.cancel]
         pending.sort(key=lambda s: (-self.tasks[s.task_id].spec.priority, self.tasks[s.task_id].order, s.sample))
         out = []
         for s in pending[:free]:
-            s.state, s.node_id, s.assigned_at = "assigned", node.node_id, time.monotonic()
+            s.state, s.node_id, s.assigned_at = Session.ASSIGNED, node.node_id, time.monotonic()
             ts = self.tasks[s.task_id]
-            if ts.state == "queued":
-                ts.state = "running"
+            if ts.state == Task.QUEUED:
+                ts.state = Task.RUNNING
                 self._dirty_tasks.add(ts.spec.task_id)
-            self._event(s, "assigned", None)
+            self._event(s, Session.ASSIGNED, None)
             out.append({"session_id": s.session_id, "task": ts.spec.to_json(), "attempt": s.attempt})
         return out
 
-    def _requeue(self, s: SessionState, reason: str) -> None:
-        """The node does not have it (never got it, or restarted): run it again."""
+    def _requeue(self, s: SessionState, reason: str, counted: bool = True) -> None:
+        """The node does not have it (never got it, or restarted; counted: a failed attempt),
+        or handed it back (not counted): run it again."""
         ts = self.tasks[s.task_id]
         if s.cancel:
-            s.state, s.reason = "cancelled", ts.cancel_reason or "cancelled"
+            s.state, s.reason = Session.CANCELLED, ts.cancel_reason or "cancelled"
             self._event(s, s.state, s.reason)
-        elif s.state in ("assigned", "init", "ready"):
-            s.state, s.node_id, s.reason = "pending", None, reason   # no harness ran: same name
-            self._event(s, "pending", reason)
+        elif s.state in NOT_STARTED:
+            s.state, s.node_id, s.reason = Session.PENDING, None, reason   # no harness ran: same name
+            self._event(s, Session.PENDING, reason)
         else:
-            self._retry(s, reason)
+            self._retry(s, reason, counted)
         self._check_task(ts)
 
-    def _retry(self, s: SessionState, reason: str) -> None:
-        """A new attempt under a new name: the calls of the lost one stay apart, unrewarded."""
+    def _retry(self, s: SessionState, reason: str, counted: bool = True) -> None:
+        """A new attempt under a new name: the calls of the lost one stay apart, unrewarded.
+        counted: the node failed it ("lost"; max_attempts of those fail the sample); else it
+        was handed back ("released": a stopped node, a backend down) and never fails it."""
         ts = self.tasks[s.task_id]
-        s.state, s.reason = "lost", reason
-        self._event(s, "lost", reason)
-        if s.attempt >= self.max_attempts or s.cancel:
-            s.state = "failed" if not s.cancel else "cancelled"
-            s.reason = f"{reason}; {s.attempt} attempts" if not s.cancel else (ts.cancel_reason or "cancelled")
+        s.state, s.reason = (Session.LOST if counted else Session.RELEASED), reason
+        self._event(s, s.state, reason)
+        failures = sum(1 for sid in ts.attempts
+                       if self.sessions[sid].sample == s.sample and self.sessions[sid].state == Session.LOST)
+        if s.cancel or (counted and failures >= self.max_attempts):
+            s.state = Session.FAILED if not s.cancel else Session.CANCELLED
+            s.reason = f"{reason}; {failures} failed attempts" if not s.cancel else (ts.cancel_reason or "cancelled")
             self._event(s, s.state, s.reason)
             return
         n = SessionState(f"{ts.spec.task_id}~{s.sample}.r{s.attempt + 1}", s.task_id, s.sample, s.attempt + 1)
         self._add(n, ts)
-        self._event(n, "pending", f"retry of {s.session_id}")
+        self._event(n, Session.PENDING, f"retry of {s.session_id}")
 
     # -- tasks -----------------------------------------------------------------------
     def _task_sessions(self, task_id: str) -> list[str]:
@@ -383,9 +422,9 @@ class RolloutServer:
             if s.state in TERMINAL:
                 continue
             s.cancel = True
-            if s.state == "pending":
-                s.state, s.reason = "cancelled", reason
-                self._event(s, "cancelled", reason)
+            if s.state == Session.PENDING:
+                s.state, s.reason = Session.CANCELLED, reason
+                self._event(s, Session.CANCELLED, reason)
 
     def _check_task(self, ts: TaskState) -> None:
         latest = [self.sessions[sid] for sid in ts.latest.values()]
@@ -393,13 +432,13 @@ class RolloutServer:
         if ts.spec.early_stop and finished >= ts.spec.early_stop and ts.cancel_reason is None:
             ts.cancel_reason = f"early stop: {finished} of {ts.spec.num_samples} sessions finished"
             self._stop_stragglers(ts, ts.cancel_reason)
-        if ts.state in ("done", "cancelled") or not all(s.state in TERMINAL for s in latest):
+        if ts.state in TASK_SETTLED or not all(s.state in TERMINAL for s in latest):
             return
         user_cancel = ts.cancel_reason is not None and not ts.cancel_reason.startswith("early stop")
-        ts.state = "cancelled" if user_cancel else "done"
+        ts.state = Task.CANCELLED if user_cancel else Task.DONE
         if ts.spec.callback_url:
-            ts.callback_state = "pending"
-            self._callbacks.append(ts.spec.task_id)
+            ts.callback_state = Callback.PENDING
+            self._queue_callback(ts.spec.task_id)
         self._dirty_tasks.add(ts.spec.task_id)
         self._task_event(ts.spec.task_id, ts.state, None, ts.cancel_reason)
         self._changed.notify_all()
@@ -428,49 +467,69 @@ class RolloutServer:
                         continue
                     node.lost = True
                     reason = f"node {node.node_id} lost: no heartbeat for {now - node.last_seen:.0f}s"
-                    self._task_event(None, "node_lost", node.node_id, reason)
+                    self._task_event(None, ServerEvent.NODE_LOST, node.node_id, reason)
                     for s in self._live():
                         if s.node_id == node.node_id and s.state in NODE_STATES:
                             if s.cancel:
-                                s.state, s.reason = "cancelled", self.tasks[s.task_id].cancel_reason
-                                self._event(s, "cancelled", s.reason)
+                                s.state, s.reason = Session.CANCELLED, self.tasks[s.task_id].cancel_reason
+                                self._event(s, Session.CANCELLED, s.reason)
                             else:
                                 self._retry(s, reason)
                             self._check_task(self.tasks[s.task_id])
                 self._changed.notify_all()
 
-    def _callback_loop(self) -> None:
-        while not self._stop.is_set():
-            with self._lock:
-                due = list(dict.fromkeys(self._callbacks))
-                self._callbacks.clear()
-            for task_id in due:
-                self._post_callback(task_id)
-            self._stop.wait(0.1)
+    def _queue_callback(self, task_id: str) -> None:
+        """The scored group goes to the task's callback_url (under self._lock)."""
+        if task_id not in self._callback_tasks:
+            self._callback_tasks.add(task_id)
+            heapq.heappush(self._callbacks, (time.monotonic(), 0, task_id))
 
-    def _post_callback(self, task_id: str) -> None:
+    def _callback_loop(self) -> None:
+        """Callbacks go out concurrently, each task on its own schedule of retries: one
+        receiver that hangs or is down delays no other task's group."""
+        pool = ThreadPoolExecutor(self.callback_workers, thread_name_prefix="rollout-callback")
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                with self._lock:
+                    due = []
+                    while self._callbacks and self._callbacks[0][0] <= now:
+                        due.append(heapq.heappop(self._callbacks))
+                for _, attempt, task_id in due:
+                    pool.submit(self._post_callback, task_id, attempt)
+                self._stop.wait(0.05)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _post_callback(self, task_id: str, attempt: int) -> None:
+        """One try; a failed one is tried again after a backoff, until callback_tries."""
+        if self._stop.is_set():
+            return        # still "pending" in the database: a restarted server sends it
         url = self.tasks[task_id].spec.callback_url
         body = self.group(task_id)
-        for attempt in range(self.max_callback_tries):
+        ok, error = False, None
+        try:
+            r = self._client.post(url, json=body)
+            ok, error = r.status_code < 300, f"HTTP {r.status_code}"
+        except Exception as e:   # httpx's errors; at stop, the client closed under it
             if self._stop.is_set():
                 return
-            ok = False
-            try:
-                r = self._client.post(url, json=body)
-                ok = r.status_code < 300
-            except httpx.HTTPError as e:
-                log.warning("callback for %s failed: %s", task_id, e)
-            with self._lock:
-                ts = self.tasks[task_id]
-                ts.callback_tries += 1
-                if ok or attempt == self.max_callback_tries - 1:
-                    ts.callback_state = "sent" if ok else "failed"
-                self._dirty_tasks.add(task_id)
-                self._task_event(task_id, f"callback_{'sent' if ok else 'failed'}", None, None)
-                self._changed.notify_all()
-            if ok:
-                return
-            self._stop.wait(self.callback_backoff * 2 ** attempt)
+            error = str(e) or type(e).__name__
+        if not ok:
+            log.warning("callback for %s (try %d) failed: %s", task_id, attempt + 1, error)
+        with self._lock:
+            ts = self.tasks[task_id]
+            ts.callback_tries += 1
+            if ok or attempt + 1 >= self.max_callback_tries:
+                ts.callback_state = Callback.SENT if ok else Callback.FAILED
+                self._callback_tasks.discard(task_id)
+            else:
+                heapq.heappush(self._callbacks,
+                               (time.monotonic() + self.callback_backoff * 2 ** attempt, attempt + 1, task_id))
+            self._dirty_tasks.add(task_id)
+            self._task_event(task_id, ServerEvent.CALLBACK_SENT if ok else ServerEvent.CALLBACK_FAILED, None,
+                             None if ok else error)
+            self._changed.notify_all()
 
     # -- journal ---------------------------------------------------------------------
     def _event(self, s: SessionState, state: str, detail: str | None) -> None:
@@ -512,86 +571,3 @@ class RolloutServer:
                     self._events[:0] = events
                 raise
 
-
-def _handler(server: RolloutServer):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *a):
-            pass
-
-        def _send(self, status: int, body: Any) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _body(self) -> Any:
-            n = int(self.headers.get("content-length") or 0)
-            return json.loads(self.rfile.read(n) or b"null")
-
-        def do_GET(self):
-            parts = self.path.strip("/").split("/")
-            if parts == ["status"]:
-                return self._send(200, server.status())
-            if parts[0] == "tasks" and len(parts) == 2:
-                st = server.task_status(parts[1])
-                return self._send(200, st) if st else self._send(404, {"error": {"message": "no such task"}})
-            if parts == ["policy"]:
-                return self._send(200, server.policy_status())
-            if len(parts) == 3 and parts[0] == "tasks" and parts[2] == "group":
-                if parts[1] not in server.tasks:
-                    return self._send(404, {"error": {"message": "no such task"}})
-                return self._send(200, server.group(parts[1]))
-            if parts == ["tasks"]:
-                with server._lock:
-                    return self._send(200, {"tasks": [{"task_id": t, "state": ts.state}
-                                                      for t, ts in server.tasks.items()]})
-            self._send(404, {"error": {"message": f"no route {self.path}"}})
-
-        def do_POST(self):
-            parts = self.path.strip("/").split("/")
-            try:
-                body = self._body()
-            except ValueError as e:
-                return self._send(400, {"error": {"message": f"invalid JSON: {e}"}})
-            try:
-                if parts == ["nodes", "heartbeat"]:
-                    try:
-                        reply = server.heartbeat(body)
-                    except Exception as e:   # not saved: the node keeps its events and retries
-                        log.exception("heartbeat failed")
-                        return self._send(503, {"error": {"message": f"state not saved: {e}"}})
-                    return self._send(200, reply)
-                if parts == ["policy"]:
-                    if not isinstance(body, dict) or not isinstance(body.get("version"), int) \
-                            or not isinstance(body.get("checkpoint"), str):
-                        raise TypeError('expected {"version": N, "checkpoint": DIR, "asleep": false}')
-                    return self._send(200, server.set_policy(body["version"], body["checkpoint"],
-                                                             bool(body.get("asleep", False))))
-                if parts == ["groups"]:
-                    ids = (body or {}).get("task_ids") or []
-                    missing = [t for t in ids if t not in server.tasks]
-                    if missing:
-                        return self._send(404, {"error": {"message": f"no such task(s): {', '.join(missing[:5])}"}})
-                    return self._send(200, {"groups": [server.group(t) for t in ids]})
-                if parts == ["tasks"]:
-                    specs = [parse_task(t) for t in (body if isinstance(body, list) else [body])]
-                    out = [{"task_id": s.task_id, "sessions": server.submit(s)} for s in specs]
-                    return self._send(202, {"tasks": out})
-                if len(parts) == 3 and parts[0] == "tasks" and parts[2] == "cancel":
-                    ok = server.cancel(parts[1], (body or {}).get("reason") or "cancelled by request")
-                    return self._send(200 if ok else 404, {"task_id": parts[1], "cancelled": ok})
-            except TaskError as e:
-                status = 409 if "already exists" in str(e) else 400
-                return self._send(status, {"error": {"message": str(e)}})
-            except (KeyError, TypeError) as e:
-                return self._send(400, {"error": {"message": f"bad request: {e}"}})
-            except Exception as e:    # e.g. the database stayed busy: the client may retry
-                log.exception("request failed")
-                return self._send(503, {"error": {"message": f"not saved yet, retry: {e}"}})
-            self._send(404, {"error": {"message": f"no route {self.path}"}})
-
-    return Handler

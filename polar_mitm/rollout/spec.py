@@ -3,17 +3,42 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import re
+import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
 HARNESSES = ("claude", "codex", "gemini", "qwen", "pi", "command")
 ON_FAILURE = ("zero", "drop")
+REWARD_COVERS = ("all", "main")
 _TASK_ID = re.compile(r"^[A-Za-z0-9._+=@:-]{1,120}$")   # no "~" (it separates TASK~i), no "/"
 
 
 class TaskError(ValueError):
     """A TaskRequest that cannot run; the message says which field and why."""
+
+
+class TaskExists(TaskError):
+    """The same task (the same spec) is there already: a rerun resumes it (HTTP 409)."""
+
+
+class TaskChanged(TaskError):
+    """A task of that id is there already with another spec (HTTP 422): the stored one keeps
+    its sessions and rewards, so a changed one needs a new task_id (or a new database)."""
+
+    def __init__(self, task_id: str, changes: list[str]):
+        self.task_id, self.changes = task_id, changes
+        super().__init__(f"task {task_id} already exists with another spec ({'; '.join(changes)}); "
+                         f"give the changed task a new task_id, or use a new database")
+
+
+def _seconds(value, what: str, task_id: str) -> float:
+    """A positive, finite number of seconds, or a TaskError that names the field."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise TaskError(f"{task_id}: {what} must be a positive number of seconds, not {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -49,6 +74,9 @@ class TaskRequest:
     # A session whose harness exits non-zero (or whose evaluation fails): "zero" scores it 0,
     # so its group keeps its size and GRPO's baseline stays unbiased; "drop" leaves it out.
     on_failure: str = "zero"
+    # Which calls the session's reward covers: "all", or "main" (its main loop: the calls to
+    # the model it uses most; a router's or a title call's other model is left out).
+    reward_covers: str = "all"
 
     def session_ids(self) -> list[str]:
         return [f"{self.task_id}~{i}" for i in range(self.num_samples)]
@@ -83,9 +111,7 @@ def parse_task(data: Any, *, harness: str | None = None, samples: int | None = N
     n = d.get("num_samples", 1)
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1024:
         raise TaskError(f"{task_id}: num_samples must be an integer from 1 to 1024")
-    timeout = d.get("timeout", 600.0)
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        raise TaskError(f"{task_id}: timeout must be a positive number of seconds")
+    timeout = _seconds(d.get("timeout", 600.0), "timeout", task_id)
     ws = d.get("workspace") or {}
     if isinstance(ws, str):
         ws = {"path": ws}
@@ -101,7 +127,7 @@ def parse_task(data: Any, *, harness: str | None = None, samples: int | None = N
     if ev is not None:
         if not isinstance(ev, dict) or not isinstance(ev.get("command"), str) or set(ev) - {"command", "timeout"}:
             raise TaskError(f"{task_id}: evaluator must be a shell line, or an object with command and timeout")
-        ev = Evaluator(command=ev["command"], timeout=float(ev.get("timeout", 120.0)))
+        ev = Evaluator(command=ev["command"], timeout=_seconds(ev.get("timeout", 120.0), "evaluator.timeout", task_id))
     early = d.get("early_stop")
     if early is not None and (not isinstance(early, int) or not 1 <= early <= n):
         raise TaskError(f"{task_id}: early_stop must be an integer from 1 to num_samples")
@@ -117,15 +143,76 @@ def parse_task(data: Any, *, harness: str | None = None, samples: int | None = N
     on_failure = d.get("on_failure", "zero")
     if on_failure not in ON_FAILURE:
         raise TaskError(f"{task_id}: on_failure must be one of {', '.join(ON_FAILURE)}, not {on_failure!r}")
+    covers = d.get("reward_covers", "all")
+    if covers not in REWARD_COVERS:
+        raise TaskError(f"{task_id}: reward_covers must be one of {', '.join(REWARD_COVERS)}, not {covers!r}")
     return TaskRequest(task_id=task_id, instruction=instruction, harness=h,
-                       workspace=Workspace(**ws), num_samples=n, timeout=float(timeout),
+                       workspace=Workspace(**ws), num_samples=n, timeout=timeout,
                        evaluator=ev, priority=priority, callback_url=url, metadata=meta,
-                       early_stop=early, command=d.get("command"), on_failure=on_failure)
+                       early_stop=early, command=d.get("command"), on_failure=on_failure,
+                       reward_covers=covers)
 
 
 def task_from_json(spec: dict) -> TaskRequest:
     """Back from TaskRequest.to_json (the stored spec)."""
     return parse_task({k: v for k, v in spec.items() if v is not None})
+
+
+def spec_changes(old: TaskRequest, new: TaskRequest) -> list[str]:
+    """What differs between two specs of one task, field by field ("num_samples 1 -> 3")."""
+    a, b = old.to_json(), new.to_json()
+    out = []
+    for k in a:
+        if a[k] != b[k]:
+            va, vb = repr(a[k]), repr(b[k])
+            out.append(f"{k} {va[:60]} -> {vb[:60]}" if len(va) + len(vb) < 200 else f"{k} changed")
+    return out
+
+
+def _remote(git: str) -> bool:
+    """A URL (https://, ssh://, host:path) rather than a repository on this machine."""
+    if "://" in git:
+        return not git.startswith("file://")
+    head = git.split("/", 1)[0]
+    return ":" in head          # scp-like user@host:path
+
+
+def _git(argv: list[str], timeout: float = 60.0) -> subprocess.CompletedProcess | None:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def check_workspace(task: TaskRequest) -> None:
+    """The task's workspace is there (checked where tasks come in, before any session): a
+    directory, or a git repository that has the commit. A remote repository is asked for its
+    refs only (its commits cannot be listed); a TaskError names the task and the path."""
+    ws, tid = task.workspace, task.task_id
+    if ws.path:
+        if not os.path.isdir(ws.path):
+            why = "does not exist" if not os.path.exists(ws.path) else "is not a directory"
+            raise TaskError(f"{tid}: workspace {ws.path} {why}")
+        if not os.access(ws.path, os.R_OK | os.X_OK):
+            raise TaskError(f"{tid}: workspace {ws.path} is not readable")
+    if not ws.git:
+        return
+    local = not _remote(ws.git)
+    path = ws.git.removeprefix("file://")
+    if local and not os.path.isdir(path):
+        raise TaskError(f"{tid}: workspace.git {ws.git} does not exist")
+    # what `git clone` will ask: a repository there (not a directory inside one)
+    done = _git(["git", "ls-remote", "--heads", ws.git])
+    if done is None or done.returncode != 0:
+        if local:
+            raise TaskError(f"{tid}: workspace.git {ws.git} is not a git repository")
+        err = done.stderr.strip().splitlines()[0][:300] if done is not None and done.stderr.strip() else "no answer"
+        raise TaskError(f"{tid}: workspace.git {ws.git} cannot be read: {err}")
+    if local and ws.commit:
+        done = _git(["git", "-C", path, "rev-parse", "--verify", "--quiet", f"{ws.commit}^{{commit}}"])
+        if done is None or done.returncode != 0:
+            raise TaskError(f"{tid}: workspace.commit {ws.commit} is not a commit of {ws.git}")
 
 
 def parse_reward(output: str, exit_code: int) -> float:

@@ -24,8 +24,8 @@ from .delta import apply_ids
 # Calls vLLM sampled from another distribution than the trainer's, by the first rule that applies.
 SAMPLING_REASONS = ("structured_output", "forced_tool_choice", "truncated_sampling", "logit_processing",
                     "temperature_mismatch")
-SKIP_REASONS = ("failed", "abandoned", "no_token_ids", "logprobs_mismatch", *SAMPLING_REASONS, "no_reward",
-                "missing_base", "superseded_attempt")
+SKIP_REASONS = ("failed", "abandoned", "no_token_ids", "logprobs_mismatch", *SAMPLING_REASONS,
+                "auxiliary_call", "no_reward", "missing_base", "superseded_attempt")
 
 # vLLM's guided-decoding fields (a request's own, or an operator's polar_sampling override)
 _GUIDED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -95,6 +95,9 @@ class TrainingData:
     # Every rewarded session (one per sample) of the groups read, those with no trainable
     # call included: session -> (group, reward). The trainer's group baselines count them all.
     rewards: dict = field(default_factory=dict)
+    # Calls of each session's main loop (its most used model) and the others (a router's, a
+    # title call's), however the reward covers them: {"main": n, "auxiliary": m}.
+    call_kinds: Counter = field(default_factory=Counter)
 
 
 # The stored rows, not the calls view: prompt ids are rebuilt here from their deltas
@@ -102,7 +105,7 @@ class TrainingData:
 _SQL = """
 SELECT c.session_id, s.task_id, c.seq, c.call_id, c.base_call, c.prompt_shared,
        c.prompt_suffix, c.token_ids, c.logprobs, c.finish_reason, c.policy_version, s.reward,
-       c.backend_params,
+       c.backend_params, c.requested_model,
        CASE WHEN c.error_kind = 'abandoned' THEN 'abandoned'
             WHEN c.error IS NOT NULL OR coalesce(c.status_code, 200) >= 400 THEN 'failed' END AS failed
 FROM call_records c LEFT JOIN sessions s USING (session_id)
@@ -113,12 +116,15 @@ ORDER BY c.session_id, c.seq
 
 def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None = None,
                    sessions: list[str] | None = None, require_reward: bool = True,
-                   temperature: float | None = 1.0, timeout: float = 30.0) -> TrainingData:
+                   temperature: float | None = 1.0, reward_covers: str | dict = "all",
+                   timeout: float = 30.0) -> TrainingData:
     """Read the trainable calls of every database (one per gateway machine), optionally
     only those of TASKS or SESSIONS. A session id seen in two files is one session, and its
     reward may be in any of them: the one in its calls' own file, else the first file given
     that has one. `temperature` is the trainer's: calls sampled otherwise (sampling_exclusion)
-    are skipped and counted by reason (None: temperature not checked)."""
+    are skipped and counted by reason (None: temperature not checked). reward_covers: "all",
+    or "main" (only the calls of each session's main loop, the model it called most), for
+    every task or per task ({task_id: "all" | "main"}, "all" for a task not named)."""
     where, params = ["TRUE"], []
     if tasks:
         where.append(f"s.task_id IN ({', '.join('?' * len(tasks))})")
@@ -144,10 +150,11 @@ def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None 
                 groups.setdefault(session_id, task_id or session_id)
     while files:   # each file's rows are let go once read
         path, rows = files.pop(0)
+        main_model = _main_models(rows)
         ids: dict[str, tuple[list[int] | None, list[int]]] = {}   # call_id -> (prompt, tokens)
         current = None
         for (session_id, task_id, seq, call_id, base, shared, suffix, tokens, logprobs, finish,
-             version, reward, backend_params, failed) in rows:
+             version, reward, backend_params, model, failed) in rows:
             if current != session_id:   # bases are always earlier calls of the same session
                 ids, current = {}, session_id
             prompt = None
@@ -174,6 +181,12 @@ def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None 
             excluded = sampling_exclusion(orjson.loads(backend_params) if backend_params else None, temperature)
             if excluded:
                 out.skipped[excluded] += 1
+                continue
+            auxiliary = model != main_model[session_id]
+            out.call_kinds["auxiliary" if auxiliary else "main"] += 1
+            covers = reward_covers if isinstance(reward_covers, str) else reward_covers.get(task_id or "", "all")
+            if auxiliary and covers == "main":
+                out.skipped["auxiliary_call"] += 1
                 continue
             if reward is None:
                 reward = rewards.get(session_id)
@@ -209,6 +222,26 @@ def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None 
         final[sample] = max(final.get(sample, 0), attempt)
     out.rewards = {sid: (groups[sid], float(rewards[sid])) for sid in chosen
                    if attempt_of(sid)[1] == final[attempt_of(sid)[0]]}
+    return out
+
+
+def _main_models(rows) -> dict[str, str | None]:
+    """Per session, the model its calls asked for most (the first such on a tie): its main
+    loop. A harness's router or title calls ask a smaller model."""
+    counts: dict[str, Counter] = {}
+    for row in rows:
+        counts.setdefault(row[0], Counter())[row[-2]] += 1   # session_id, requested_model
+    return {sid: c.most_common(1)[0][0] for sid, c in counts.items()}
+
+
+def task_reward_covers(dbs: Iterable[str | os.PathLike], timeout: float = 30.0) -> dict[str, str]:
+    """Each stored task's reward_covers choice (rollout_tasks' spec), for the reader."""
+    out: dict[str, str] = {}
+    for db in dbs:
+        with reading(Path(db), timeout) as con:
+            for task_id, covers in con.execute(
+                    "SELECT task_id, spec->>'reward_covers' FROM rollout_tasks").fetchall():
+                out.setdefault(task_id, covers or "all")
     return out
 
 

@@ -1,0 +1,495 @@
+"""The rollout server's HTTP API: FastAPI on uvicorn, served from a thread of the process that
+holds the RolloutServer (server.py; this module knows it only as the object it is given).
+
+Requests and answers are pydantic models (tasks, heartbeats and their events, the policy,
+groups). A request that does not fit its model gets 400 and names the field; a task that
+fits is then checked by spec.parse_task, the one place that says what a task may be. Every
+error answers {"error": {"message": ...}}, mapped from the exception's type: TaskExists 409
+(a rerun resumes it), TaskChanged 422 (with "changed"), any other TaskError 400, no such task
+404, and state that could not be saved 503 (the client retries).
+
+Every endpoint is a plain `def`: FastAPI runs it in a worker thread, so a heartbeat that waits
+on DuckDB (its events are durable before the node hears back) never holds the event loop, and
+the other requests go on meanwhile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import threading
+import time
+from contextlib import asynccontextmanager
+from typing import Annotated, Any, Literal
+
+import anyio.to_thread
+import uvicorn
+from fastapi import Body, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
+from pydantic_core import PydanticCustomError
+from starlette.exceptions import HTTPException
+
+from .spec import (HARNESSES, ON_FAILURE, REWARD_COVERS, TaskChanged, TaskError, TaskExists, TaskRequest,
+                   parse_task)
+from .states import Callback, Session, Task
+
+log = logging.getLogger("polar.rollout")
+
+Seconds = Annotated[float, Strict()]       # an int or a float (not a bool, not a string)
+Number = Annotated[float, Strict()]
+_TASK_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TaskRequest)}
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Out(BaseModel):
+    """Answers: the server may add fields, and they pass through."""
+    model_config = ConfigDict(extra="allow")
+
+
+# -- tasks ---------------------------------------------------------------------------------------
+def _shorthand(key: str, shape: str):
+    """A string stands for {key: string} (a workspace's path, an evaluator's command)."""
+    def check(v):
+        if isinstance(v, str):
+            return {key: v}
+        if v is not None and not isinstance(v, dict):
+            raise PydanticCustomError("shape", f"must be {shape}")
+        return v
+    return check
+
+
+class WorkspaceIn(_In):
+    path: StrictStr | None = None
+    git: StrictStr | None = None
+    commit: StrictStr | None = None
+
+
+class EvaluatorIn(_In):
+    command: StrictStr
+    timeout: Seconds = 120.0
+
+
+_WORKSPACE = BeforeValidator(_shorthand("path", "a path, or an object with path, or git and commit"))
+_EVALUATOR = BeforeValidator(_shorthand("command", "a shell line, or an object with command and timeout"))
+
+
+class TaskIn(_In):
+    """A task (spec.TaskRequest) as it comes in: the types here; what else a task must be
+    (a valid task_id, positive timeouts, a workspace that is there) in spec.py."""
+    task_id: StrictStr
+    instruction: StrictStr
+    harness: Literal[HARNESSES] = _TASK_DEFAULTS["harness"]          # type: ignore[valid-type]
+    workspace: Annotated[WorkspaceIn | None, _WORKSPACE] = Field(
+        None, description="a directory: its path, or an object with path, or git and commit")
+    num_samples: StrictInt = _TASK_DEFAULTS["num_samples"]
+    timeout: Seconds = _TASK_DEFAULTS["timeout"]
+    evaluator: Annotated[EvaluatorIn | None, _EVALUATOR] = Field(
+        None, description="a shell line, or an object with command and timeout")
+    priority: StrictInt = _TASK_DEFAULTS["priority"]
+    callback_url: StrictStr | None = None
+    metadata: dict[str, Any] | None = None
+    early_stop: StrictInt | None = None
+    command: StrictStr | None = None
+    on_failure: Literal[ON_FAILURE] = _TASK_DEFAULTS["on_failure"]    # type: ignore[valid-type]
+    reward_covers: Literal[REWARD_COVERS] = _TASK_DEFAULTS["reward_covers"]  # type: ignore[valid-type]
+
+
+class Submitted(_Out):
+    task_id: str
+    sessions: list[str]
+
+
+class SubmitReply(_Out):
+    tasks: list[Submitted]
+
+
+class SessionOut(_Out):
+    session_id: str
+    sample: int
+    attempt: int
+    state: Session
+    node_id: str | None = None
+    reward: float | None = None
+    reason: str | None = None
+    stats: dict[str, Any] | None = None
+
+
+class TaskStatusOut(_Out):
+    task_id: str
+    state: Task
+    callback_state: Callback | None = None
+    sessions: list[SessionOut]
+
+
+class TaskBrief(_Out):
+    task_id: str
+    state: Task
+
+
+class TaskList(_Out):
+    tasks: list[TaskBrief]
+
+
+class GroupOut(_Out):
+    """A scored group, as posted to callback_url: the current attempt of each sample, and the
+    attempts before them."""
+    task_id: str
+    state: Task
+    metadata: dict[str, Any]
+    sessions: list[SessionOut]
+    attempts: list[SessionOut]
+
+
+class GroupsIn(_In):
+    task_ids: list[StrictStr] = []
+
+
+class GroupsOut(_Out):
+    groups: list[GroupOut]
+
+
+class CancelIn(_In):
+    reason: StrictStr | None = None
+
+
+class CancelOut(_Out):
+    task_id: str
+    cancelled: bool
+
+
+# -- the policy ----------------------------------------------------------------------------------
+class PolicyIn(_In):
+    version: StrictInt
+    checkpoint: StrictStr
+    asleep: StrictBool = False
+
+
+class PolicyTarget(_Out):
+    id: str
+    version: int
+    checkpoint: str
+    asleep: bool
+
+
+class PolicyReport(BaseModel):
+    """What a node serves, as it reports it (node.py _apply_policy)."""
+    model_config = ConfigDict(extra="allow")
+    target: str | None = None
+    version: int | None = None
+    checkpoint: str | None = None
+    asleep: bool | None = None
+    error: str | None = None
+
+
+class NodePolicy(_Out):
+    lost: bool
+    policy: PolicyReport | None = None
+    db: str | None = None
+
+
+class PolicyStatus(_Out):
+    target: PolicyTarget | None = None
+    nodes: dict[str, NodePolicy]
+
+
+# -- nodes ---------------------------------------------------------------------------------------
+class SessionEvent(BaseModel):
+    """One state change of a session, as its node reports it."""
+    model_config = ConfigDict(extra="ignore")
+    session_id: StrictStr
+    state: Session
+    at: Number | None = None
+    reward: Number | None = None
+    reason: StrictStr | None = None
+    stats: dict[str, Any] | None = None
+
+
+class NodeLoad(BaseModel):
+    """free: how many more sessions the node takes now (0 while paused or stopping)."""
+    model_config = ConfigDict(extra="allow")
+    free: StrictInt = Field(0, ge=0)
+    slots: StrictInt | None = None
+    running: StrictInt | None = None
+    ready: StrictInt | None = None
+    post_run: StrictInt | None = None
+    paused: StrictStr | None = None
+
+
+class Heartbeat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    node_id: StrictStr = Field(min_length=1)
+    load: NodeLoad = NodeLoad()
+    active: list[StrictStr] = Field([], description="the sessions the node holds")
+    events: list[SessionEvent] = []
+    policy: PolicyReport | None = None
+    db: StrictStr | None = Field(None, description="the node's proxy database")
+
+
+class Assignment(_Out):
+    session_id: str
+    task: dict[str, Any]
+    attempt: int
+
+
+class HeartbeatReply(_Out):
+    assign: list[Assignment]
+    cancel: list[str]
+    settled: list[str] = Field(description="final outcomes the server holds as their sample's")
+    policy: PolicyTarget | None = None
+
+
+class StatusOut(_Out):
+    tasks: dict[str, int]
+    sessions: dict[str, int]
+    rewards: dict[str, Any]
+    nodes: dict[str, dict[str, Any]]
+
+
+# -- errors --------------------------------------------------------------------------------------
+class NoSuchTask(LookupError):
+    def __init__(self, task_ids: list[str]):
+        super().__init__(f"no such task: {task_ids[0]}" if len(task_ids) == 1
+                         else f"no such task(s): {', '.join(task_ids[:5])}")
+
+
+class NotSaved(RuntimeError):
+    """The state could not be saved (the database stayed busy): the client may retry."""
+
+
+def _error(status: int, message: str, **extra) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, **extra}}, status_code=status)
+
+
+_UNION_TAGS = {TaskIn.__name__: dict, f"list[{TaskIn.__name__}]": list}   # POST /tasks: one, or a list
+
+
+def _field_errors(exc: RequestValidationError) -> list[dict]:
+    """pydantic's errors as {"field", "message", "task_id"}: the field named from the body down,
+    and of POST /tasks (a task, or a list of them) only the branch the body's shape took, each
+    error with its task's task_id where the task has one."""
+    body, out = exc.body, []
+    for e in exc.errors():
+        loc, task = list(e.get("loc") or ())[1:], None          # after "body"
+        if loc and loc[0] in _UNION_TAGS:
+            if not isinstance(body, _UNION_TAGS[loc[0]]):
+                continue
+            loc, task = loc[1:], body
+            if isinstance(body, list) and loc and isinstance(loc[0], int) and loc[0] < len(body):
+                task = body[loc[0]]
+                if not (isinstance(task, dict) and isinstance(task.get("task_id"), str)):
+                    loc[0] = f"tasks[{loc[0]}]"      # no task_id to name it by
+                else:
+                    loc = loc[1:]
+        where = ".".join(str(p) for p in loc)
+        tid = task.get("task_id") if isinstance(task, dict) else None
+        out.append({"field": where, "message": e.get("msg", "invalid"),
+                    "task_id": tid if isinstance(tid, str) else None})
+    return out
+
+
+async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    bad_json = [e for e in errors if e.get("type") == "json_invalid"]
+    if bad_json:
+        e = bad_json[0]
+        return _error(400, f"invalid JSON: {(e.get('ctx') or {}).get('error', 'cannot parse it')} "
+                           f"(character {e['loc'][-1]})")
+    if isinstance(exc.body, (bytes, bytearray)):
+        return _error(415, "send the body as JSON, with content-type: application/json")
+    if any(e.get("type") == "missing" and tuple(e.get("loc") or ()) == ("body",) for e in errors):
+        return _error(400, "a JSON body is required")
+    fields = _field_errors(exc) or [{"field": "", "message": "the body does not fit", "task_id": None}]
+    parts = []
+    for f in fields:
+        head = ": ".join(p for p in (f["task_id"], f["field"]) if p)
+        parts.append(f"{head}: {f['message']}" if head else f["message"])
+    return _error(400, "; ".join(dict.fromkeys(parts)),
+                  fields=[{"field": f["field"], "message": f["message"]} for f in fields])
+
+
+def make_app(server: Any, threads: int = 64) -> FastAPI:
+    """The API of a RolloutServer (any object with its methods). threads: worker threads for
+    the endpoints (a heartbeat waiting on the database holds one)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        anyio.to_thread.current_default_thread_limiter().total_tokens = threads
+        yield
+
+    app = FastAPI(title="polar-mitm rollout server", lifespan=lifespan, openapi_url="/openapi.json",
+                  docs_url=None, redoc_url=None)
+
+    app.add_exception_handler(RequestValidationError, _invalid_request)
+
+    @app.exception_handler(TaskExists)
+    async def _exists(request: Request, e: TaskExists):            # the same task: a rerun resumes it
+        return _error(409, str(e))
+
+    @app.exception_handler(TaskChanged)
+    async def _changed(request: Request, e: TaskChanged):          # another spec under that id: refused
+        return _error(422, str(e), changed=e.changes)
+
+    @app.exception_handler(TaskError)
+    async def _bad_task(request: Request, e: TaskError):
+        return _error(400, str(e))
+
+    @app.exception_handler(NoSuchTask)
+    async def _no_task(request: Request, e: NoSuchTask):
+        return _error(404, str(e))
+
+    @app.exception_handler(NotSaved)
+    async def _not_saved(request: Request, e: NotSaved):
+        return _error(503, str(e))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, e: HTTPException):
+        if e.status_code == 404:
+            return _error(404, f"no route {request.url.path}")
+        if e.status_code == 405:
+            return _error(405, f"{request.method} is not allowed on {request.url.path}")
+        return _error(e.status_code, str(e.detail))
+
+    def _task(task_id: str) -> str:
+        if task_id not in server.tasks:
+            raise NoSuchTask([task_id])
+        return task_id
+
+    # -- tasks -------------------------------------------------------------------------------
+    @app.post("/tasks", status_code=202, response_model=SubmitReply)
+    def submit(tasks: Annotated[TaskIn | list[TaskIn], Body()]):
+        """Queue one task or a list of them; each answers its session ids once they are saved."""
+        given = tasks if isinstance(tasks, list) else [tasks]
+        specs = [parse_task(t.model_dump(exclude_unset=True)) for t in given]
+        ids = [t.task_id for t in specs]
+        twice = sorted({t for t in ids if ids.count(t) > 1})
+        if twice:
+            raise TaskError(f"task_id {', '.join(twice)} given twice in one request")
+        out = []
+        for s in specs:
+            try:
+                out.append({"task_id": s.task_id, "sessions": server.submit(s)})
+            except TaskError:
+                raise
+            except Exception as e:          # e.g. the database stayed busy: the client may retry
+                log.exception("submitting %s failed", s.task_id)
+                raise NotSaved(f"not saved yet, retry: {e}") from e
+        return {"tasks": out}
+
+    @app.get("/tasks", response_model=TaskList)
+    def list_tasks():
+        return {"tasks": server.task_list()}
+
+    @app.get("/tasks/{task_id}", response_model=TaskStatusOut)
+    def task_status(task_id: str):
+        st = server.task_status(task_id)
+        if st is None:
+            raise NoSuchTask([task_id])
+        return st
+
+    @app.get("/tasks/{task_id}/group", response_model=GroupOut)
+    def group(task_id: str):
+        return server.group(_task(task_id))
+
+    @app.post("/tasks/{task_id}/cancel", response_model=CancelOut)
+    def cancel(task_id: str, body: Annotated[CancelIn | None, Body()] = None):
+        ok = server.cancel(task_id, (body.reason if body else None) or "cancelled by request")
+        if not ok:
+            return JSONResponse({"task_id": task_id, "cancelled": False}, status_code=404)
+        return {"task_id": task_id, "cancelled": True}
+
+    @app.post("/groups", response_model=GroupsOut)
+    def groups(body: Annotated[GroupsIn | None, Body()] = None):
+        ids = body.task_ids if body else []
+        missing = [t for t in ids if t not in server.tasks]
+        if missing:
+            raise NoSuchTask(missing)
+        return {"groups": [server.group(t) for t in ids]}
+
+    @app.get("/status", response_model=StatusOut)
+    def status():
+        return server.status()
+
+    # -- the policy --------------------------------------------------------------------------
+    @app.get("/policy", response_model=PolicyStatus)
+    def policy_status():
+        return server.policy_status()
+
+    @app.post("/policy", response_model=PolicyTarget)
+    def set_policy(body: PolicyIn):
+        return server.set_policy(body.version, body.checkpoint, body.asleep)
+
+    # -- nodes -------------------------------------------------------------------------------
+    @app.post("/nodes/heartbeat", response_model=HeartbeatReply)
+    def heartbeat(body: Heartbeat):
+        """A node's load, its sessions' state changes and its policy; answered (once saved)
+        with new sessions, cancellations, settled outcomes and the policy to serve."""
+        try:
+            return server.heartbeat(body.model_dump(exclude_unset=True))
+        except Exception as e:      # not saved: the node keeps its events and retries
+            log.exception("heartbeat failed")
+            raise NotSaved(f"state not saved: {e}") from e
+
+    return app
+
+
+# -- serving -------------------------------------------------------------------------------------
+def _bind(host: str, port: int) -> socket.socket:
+    """Listening already, so that the port (0: any free one) is known before the server runs.
+    IPPROTO_TCP by name: asyncio sets TCP_NODELAY only on sockets that say so, and without it
+    every answer (headers, then body) waits out a delayed ACK, 40 ms."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
+                         socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class ThreadedUvicorn:
+    """An ASGI app on uvicorn, in a thread of this process (no signal handlers: those stay the
+    process's own). The socket is bound on creation: .port is known before start()."""
+
+    def __init__(self, app: Any, host: str, port: int, name: str = "http"):
+        self.name = name
+        self._sock = _bind(host, port)
+        self.port = self._sock.getsockname()[1]
+        # log_config=None: the process's logging is left as it is. Keep-alive outlasts the
+        # clients' own (httpx: 5 s), so it is always a client that closes an idle connection
+        # and never the server under a request just sent.
+        config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="on",
+                                timeout_keep_alive=30, timeout_graceful_shutdown=5, server_header=False,
+                                backlog=2048)
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+
+    def start(self, timeout: float = 30.0) -> None:
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        name=self.name, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"the {self.name} server did not start")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the {self.name} server did not start in {timeout:.0f}s")
+            time.sleep(0.005)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stops taking connections, lets requests in flight finish (5 s at most), returns."""
+        if self._thread is None:
+            self._sock.close()
+            return
+        self._server.should_exit = True
+        self._thread.join(timeout)
+        self._sock.close()

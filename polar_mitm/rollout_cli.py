@@ -303,21 +303,12 @@ def register(main: click.Group) -> None:
 
         Exit status: 0 all sessions settled and none failed; 1 an error; 3 sessions failed
         (or a callback was not delivered); 130 after Ctrl-C, 143 after SIGTERM."""
-        # Everything that can be checked is, before anything starts.
-        tasks = read_tasks(tasks_file, harness, samples)
-        check_workspaces(tasks)
-        changed = stored_changes(db, tasks)
-        for tid, changes in changed.items():
-            if on_changed == "error":
-                raise click.ClickException(
-                    f"{tid}: already in {db} with another spec ({'; '.join(changes)}); give the changed task a "
-                    f"new task_id, use another --db, or --on-changed keep to resume the stored one as it was")
-            click.echo(f"{tid}: already in {db} with another spec ({'; '.join(changes)}); "
-                       f"resuming the stored one (--on-changed keep)", err=True)
-        if backend:
-            check_backend(backend)
-        ensure_harnesses(t.harness for t in tasks)
-        stop_on_sigterm()
+        stop_on_sigterm()   # first: a Ctrl-C during the checks below exits 130 too, not click's 1
+        try:
+            tasks, changed = _checked(tasks_file, harness, samples, db, backend, on_changed)
+        except KeyboardInterrupt as e:
+            click.echo("interrupted before anything started", err=True)
+            sys.exit(interrupted_exit_code(e))
         work = Path(os.environ.get("POLAR_ROLLOUT_WORK") or
                     Path(db).resolve().parent / f".{Path(db).name}.rollout")
         work.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -376,6 +367,24 @@ def register(main: click.Group) -> None:
             stop_stack(node, server, services)
         if code:
             sys.exit(code)
+
+    def _checked(tasks_file, harness, samples, db, backend, on_changed):
+        """Everything that can be checked is, before anything starts; the tasks, and those
+        stored under another spec (task_id -> what changed)."""
+        tasks = read_tasks(tasks_file, harness, samples)
+        check_workspaces(tasks)
+        changed = stored_changes(db, tasks)
+        for tid, changes in changed.items():
+            if on_changed == "error":
+                raise click.ClickException(
+                    f"{tid}: already in {db} with another spec ({'; '.join(changes)}); give the changed task a "
+                    f"new task_id, use another --db, or --on-changed keep to resume the stored one as it was")
+            click.echo(f"{tid}: already in {db} with another spec ({'; '.join(changes)}); "
+                       f"resuming the stored one (--on-changed keep)", err=True)
+        if backend:
+            check_backend(backend)
+        ensure_harnesses(t.harness for t in tasks)
+        return tasks, changed
 
     @main.command("rollout-server")
     @click.option("--db", default="rollouts.duckdb", show_default=True)

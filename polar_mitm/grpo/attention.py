@@ -1,9 +1,11 @@
-"""CPU attention for a row that continues cached keys/values as one chain (a session's
-turns under the group's shared prompt). A dense mask would cost rows x (context + rows)
-at the masked kernel's rate; instead the context part runs unmasked and the row's own
-part causally, both in the fused CPU kernel, merged by their log-sum-exps. Backward
-calls each part's fused backward with the merged output and log-sum-exp, which gives
-exact gradients (the ring-attention identity). Anything else goes to plain SDPA."""
+"""CPU attention for one row of the trainer: its context (keys/values the rows above it
+computed, read in place from the path cache, policy.py) runs unmasked and the row's own
+tokens causally (a chain) or under the row's tree mask, each in the fused CPU kernel,
+merged by their log-sum-exps. Backward calls each part's fused backward with the merged
+output and log-sum-exp, which gives exact gradients (the ring-attention identity); the
+context's gradients are added into the path cache's gradient buffer, not returned, so
+no row ever holds a copy of its context. The kernel takes grouped-query heads as they
+are: nothing is expanded. Calls without a row (or off CPU) go to plain SDPA."""
 
 from __future__ import annotations
 
@@ -13,43 +15,80 @@ NAME = "polar_sdpa"
 _OPS = torch.ops.aten
 
 
-class ContextThenCausal(torch.autograd.Function):
+class RowAttention:
+    """What the attention layers of one row need beyond q/k/v; passed as a model kwarg.
+    A plain class, not a dataclass: FSDP rebuilds dataclass arguments, and `own` must be
+    the one object every layer writes into."""
+
+    def __init__(self, context: list | None = None, grads: list | None = None,
+                 tree_mask: torch.Tensor | None = None):
+        self.context = context        # per layer (keys, values) [1, kv_heads, ctx, dim], or None
+        self.grads = grads            # per layer (dkeys, dvalues) to add the context's gradients into
+        self.tree_mask = tree_mask    # [rows, rows] bool; None: the row is one chain
+        self.own: dict = {}           # layer -> this row's own (keys, values), for the rows below
+        self._masks: dict = {}
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The fused kernel takes an additive mask of the query's dtype."""
+        if self.tree_mask is None:
+            return None
+        if dtype not in self._masks:
+            m = torch.zeros(self.tree_mask.shape, dtype=dtype, device=self.tree_mask.device)
+            self._masks[dtype] = m.masked_fill_(~self.tree_mask, torch.finfo(dtype).min)[None, None]
+        return self._masks[dtype]
+
+
+class ContextThenOwn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k_ctx, v_ctx, k_own, v_own, scale):
-        o1, l1 = _OPS._scaled_dot_product_flash_attention_for_cpu(q, k_ctx, v_ctx, 0.0, False, scale=scale)
-        o2, l2 = _OPS._scaled_dot_product_flash_attention_for_cpu(q, k_own, v_own, 0.0, True, scale=scale)
-        lse = torch.logaddexp(l1, l2)
-        out = torch.exp(l1 - lse).unsqueeze(-1).to(o1.dtype) * o1 + torch.exp(l2 - lse).unsqueeze(-1).to(o2.dtype) * o2
-        ctx.save_for_backward(q, k_ctx, v_ctx, k_own, v_own, out, lse)
-        ctx.scale = scale
+    def forward(ctx, q, k, v, k_ctx, v_ctx, mask, grads, scale):
+        causal = mask is None
+        out, lse = _OPS._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+                                                                      scale=scale)
+        if k_ctx is not None:
+            o1, l1 = _OPS._scaled_dot_product_flash_attention_for_cpu(q, k_ctx, v_ctx, 0.0, False, scale=scale)
+            merged = torch.logaddexp(l1, lse)
+            out = (torch.exp(l1 - merged).unsqueeze(-1).to(o1.dtype) * o1
+                   + torch.exp(lse - merged).unsqueeze(-1).to(out.dtype) * out)
+            lse = merged
+        ctx.save_for_backward(q, k, v, out, lse)
+        # The context is a view of the path cache: kept by reference (saving it would
+        # trip autograd's version check when the cache is rewritten for a sibling).
+        ctx.context, ctx.mask, ctx.grads, ctx.scale = (k_ctx, v_ctx), mask, grads, scale
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k_ctx, v_ctx, k_own, v_own, out, lse = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         grad = grad.contiguous()
-        dq1, dk1, dv1 = _OPS._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, k_ctx, v_ctx, out, lse, 0.0, False, scale=ctx.scale)
-        dq2, dk2, dv2 = _OPS._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, k_own, v_own, out, lse, 0.0, True, scale=ctx.scale)
-        return dq1 + dq2, dk1, dv1, dk2, dv2, None
+        dq, dk, dv = _OPS._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, ctx.mask is None, attn_mask=ctx.mask, scale=ctx.scale)
+        k_ctx, v_ctx = ctx.context
+        if k_ctx is not None:
+            dq1, dk1, dv1 = _OPS._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad, q, k_ctx, v_ctx, out, lse, 0.0, False, scale=ctx.scale)
+            dq = dq + dq1
+            if ctx.grads is not None:
+                ctx.grads[0].add_(dk1)
+                ctx.grads[1].add_(dv1)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
               is_causal=None, **kwargs):
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    ctx_len = kwargs.pop("polar_ctx_len", 0)
-    if not ctx_len or query.device.type != "cpu" or dropout:
+    row: RowAttention | None = kwargs.pop("polar_row", None)
+    if row is None or query.device.type != "cpu" or dropout:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
-    groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:
-        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    c = lambda t: t.contiguous()  # noqa: E731
-    out = ContextThenCausal.apply(c(query), c(key[:, :, :ctx_len]), c(value[:, :, :ctx_len]),
-                                  c(key[:, :, ctx_len:]), c(value[:, :, ctx_len:]), scaling)
-    return out.transpose(1, 2).contiguous(), None
+    layer = module.layer_idx
+    row.own[layer] = (key, value)
+    k_ctx = v_ctx = grads = None
+    if row.context is not None:
+        k_ctx, v_ctx = row.context[layer]
+        grads = row.grads[layer] if row.grads is not None else None
+    out = ContextThenOwn.apply(query, key, value, k_ctx, v_ctx, row.mask(query.dtype), grads, scaling)
+    return out.transpose(1, 2), None
 
 
 def register() -> str:

@@ -28,7 +28,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -106,29 +106,51 @@ def split_for_rank(samples, rank: int, world: int):
 
 # ---- one step -----------------------------------------------------------------------------
 
-@dataclass
 class StepData:
-    """What one optimizer step trains on, laid out for this rank."""
-    groups: list[str]
-    runner: ForestRunner
-    call_ids: torch.Tensor        # per forest target: call index
-    flat: torch.Tensor            # per forest target: index into the flat (call, j) arrays
-    rollout: torch.Tensor
-    stats: dict
+    """What one optimizer step trains on, laid out for this rank. Planned lazily: each read
+    of `runner` builds the step's forest and row plan, which live only while it runs (a
+    few hundred bytes of host memory per forward token); what is kept is per trained
+    token: call_ids, flat and rollout, in the forest's target order."""
+
+    def __init__(self, groups: list[str], calls: Sequence[Call], call_idx: list[int], offsets: list[int],
+                 cfg: TrainConfig, device, rank: int, world: int, attention: str, dtype: torch.dtype):
+        self.groups = groups
+        self._calls, self._call_idx, self._offsets = [calls[i] for i in call_idx], call_idx, offsets
+        self._cfg, self._device, self._rank, self._world = cfg, device, rank, world
+        self._attention, self._dtype = attention, dtype
+        self._targets: tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict] | None = None
+
+    @property
+    def runner(self) -> ForestRunner:
+        return ForestRunner(self._forest(), self._cfg.token_budget, self._device, self._attention, self._dtype)
+
+    def _forest(self):
+        built = build(self._calls, self._cfg.builder)
+        forest = merge(split_for_rank(built.samples, self._rank, self._world))
+        if self._targets is None:
+            ci, off = self._call_idx, self._offsets
+            self._targets = (
+                torch.tensor([ci[c] for c in forest.target_call], dtype=torch.long),
+                torch.tensor([off[ci[c]] + j for c, j in zip(forest.target_call, forest.target_index)],
+                             dtype=torch.long),
+                torch.tensor(forest.target_logprob), built.stats.as_dict())
+        return forest
+
+    def _target(self, i: int):
+        if self._targets is None:
+            self._forest()
+        return self._targets[i]
+
+    call_ids = property(lambda self: self._target(0), doc="per forest target: call index")
+    flat = property(lambda self: self._target(1), doc="per forest target: index into the flat (call, j) arrays")
+    rollout = property(lambda self: self._target(2), doc="per forest target: vLLM's logprob")
+    stats = property(lambda self: self._target(3), doc="the builder's counts (BuildStats)")
 
 
 def prepare_step(calls: Sequence[Call], call_idx: list[int], groups: list[str], offsets: list[int],
                  cfg: TrainConfig, device, rank: int, world: int, attention: str = "sdpa",
                  dtype: torch.dtype = torch.float32) -> StepData:
-    sub = [calls[i] for i in call_idx]
-    built = build(sub, cfg.builder)
-    samples = split_for_rank(built.samples, rank, world)
-    forest = merge(samples)
-    runner = ForestRunner(forest, cfg.token_budget, device, attention, dtype)
-    gcall = torch.tensor([call_idx[c] for c in forest.target_call], dtype=torch.long)
-    flat = torch.tensor([offsets[call_idx[c]] + j for c, j in zip(forest.target_call, forest.target_index)],
-                        dtype=torch.long)
-    return StepData(groups, runner, gcall, flat, torch.tensor(forest.target_logprob), built.stats.as_dict())
+    return StepData(groups, calls, call_idx, offsets, cfg, device, rank, world, attention, dtype)
 
 
 def run_step(policy, step: StepData, adv: torch.Tensor, weights: torch.Tensor, proximal: torch.Tensor,
@@ -148,8 +170,9 @@ def run_step(policy, step: StepData, adv: torch.Tensor, weights: torch.Tensor, p
         merge_metrics(totals, out.metrics)
         return out.loss * world   # FSDP averages gradients over ranks; the objective is their sum
 
+    runner = step.runner   # built now, dropped when the step is done
     with autocast():
-        step.runner.run(policy, loss_fn)
+        runner.run(policy, loss_fn)
     return totals
 
 

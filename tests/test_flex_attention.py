@@ -1,8 +1,7 @@
 """The GPU attention path, checked on CPU: flex attention (block masks, rows packed to the
 budget) gives the trie the same logprobs as the SDPA path the CPU uses. flex_attention runs
-eagerly here (GPUs compile it) and has no backward on CPU, so the gradients of the same
-packed rows are checked through SDPA with the block mask's dense equivalent; the kernel's
-own backward is checked on CUDA by scripts/gpu_check.sh."""
+eagerly here (GPUs compile it) and has no backward on CPU (torch raises NotImplementedError
+for it), so its gradients are compared with the CPU's by scripts/gpu_check.sh on CUDA."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ measurement), and of 60,000 tokens on a Llama 2 x 64 (so that it runs in minutes
 CPU); one fwd+bwd step through the trainer's own step code (polar_sdpa attention, as
 polar-train uses on CPU) at budgets 16384, 4096 and 1024, plus the 60k prompt at budget 50
 (a prefix over 1,000 rows deep). Each configuration runs in a fresh subprocess; its peak
-is the process's peak resident memory (ru_maxrss) minus its resident memory once the
+is the process's peak resident memory during the step (VmHWM, reset just before it) minus its resident memory once the
 model, its gradients' buffers and the calls exist, i.e. what the step itself added.
 Target: at each prefix, the peak does not grow as the budget shrinks and stays at or
 under the 16384 figure."""
@@ -33,6 +33,30 @@ VOCAB = 2048
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def reset_peak() -> bool:
+    """Linux forgets the process's peak resident memory (VmHWM) so far: a peak reached
+    while importing or building the model (higher than the step's on some runs) does not
+    mask the step's own."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_bytes() -> int:
+    """The peak resident memory since reset_peak (else since the start: ru_maxrss)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def one(prefix: int, layers: int, hidden: int, budget: int, threads: int) -> dict:
@@ -68,11 +92,12 @@ def one(prefix: int, layers: int, hidden: int, budget: int, threads: int) -> dic
     step = prepare_step(calls, list(range(len(calls))), ["task"], offsets, train_cfg, torch.device("cpu"), 0, 1,
                         lm.config._attn_implementation, lm.dtype)
     base = rss_bytes()
+    reset_peak()
     t0 = time.perf_counter()
     sums = run_step(TokenLogprobs(lm), step, adv, weights, proximal, train_cfg, None,
                     lambda: torch.autocast("cpu", enabled=False))
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_bytes()
     runner = step.runner
     depth = 0
     for r in runner.rows:   # rows on the longest chain of rows
@@ -95,7 +120,7 @@ def main() -> int:
         return 0
 
     ok = True
-    print(f"peak memory of one fwd+bwd step over the model (ru_maxrss - rss before the step), {args.threads} threads")
+    print(f"peak memory of one fwd+bwd step over the model (VmHWM during the step - rss before it), {args.threads} threads")
     print(f"{'prefix':>7} {'model':>7} {'budget':>7} {'rows':>6} {'row depth':>10} {'fwd tokens':>11} "
           f"{'peak MB':>9} {'seconds':>8}")
     for prefix, (layers, hidden), budgets in CONFIGS:

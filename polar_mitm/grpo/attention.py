@@ -87,7 +87,14 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     if row.context is not None:
         k_ctx, v_ctx = row.context[layer]
         grads = row.grads[layer] if row.grads is not None else None
-    out = ContextThenOwn.apply(query, key, value, k_ctx, v_ctx, row.mask(query.dtype), grads, scaling)
+    # Under bf16 autocast the projections come out bf16 while the path cache keeps the
+    # model's dtype: the fused kernel wants one dtype (a bf16 context is a copy per row,
+    # so bf16 on CPU gives up the no-copy bound; the GPU runs flex attention instead).
+    dt = query.dtype
+    key, value = key.to(dt), value.to(dt)
+    if k_ctx is not None:   # (rotary leaves keys float32 while values are bf16)
+        k_ctx, v_ctx = k_ctx.to(dt), v_ctx.to(dt)
+    out = ContextThenOwn.apply(query, key, value, k_ctx, v_ctx, row.mask(dt), grads, scaling)
     return out.transpose(1, 2), None
 
 

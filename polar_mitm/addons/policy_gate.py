@@ -13,7 +13,7 @@ import asyncio
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 
 @dataclass
@@ -72,30 +72,10 @@ class PolicyGate:
             if not self.in_flight:
                 idle.set()
 
-    async def sleep(self, action: Callable[[], Awaitable[None]]) -> SyncReport:
-        """Hold, drain, then put the backend to sleep; calls stay held until the next sync
-        (which wakes it). If the action fails the gate opens again."""
-        is_open, idle, syncing = self._events()
-        async with syncing:
-            t0 = time.monotonic()
-            drained = self.in_flight
-            is_open.clear()
-            try:
-                await idle.wait()
-                t1 = time.monotonic()
-                await action()
-                self.asleep = True
-            finally:
-                if not self.asleep:
-                    is_open.set()
-            return SyncReport(self.version, self.checkpoint, self.held, drained, t1 - t0,
-                              time.monotonic() - t1, time.monotonic() - t0)
-
-    async def sync(self, swap: Callable[[bool], Awaitable[dict | None]], version: int,
-                   checkpoint: str | None = None) -> SyncReport:
-        """Hold, drain, swap (waking the backend if it sleeps), set the version, release. One
-        sync at a time; if the swap fails the old version stays in force (and the error is
-        raised), and a sleeping backend keeps the calls held."""
+    async def _while_held(self, work: Callable[[], Awaitable[Any]]) -> tuple[Any, int, int, float, float]:
+        """Hold new calls, let those in flight finish, run work; the gate opens again after it
+        (or after its failure) unless the backend sleeps. One at a time. Returns (work's
+        result, calls drained, calls held, drain seconds, work seconds)."""
         is_open, idle, syncing = self._events()
         async with syncing:
             t0 = time.monotonic()
@@ -105,10 +85,30 @@ class PolicyGate:
                 await idle.wait()
                 t1 = time.monotonic()
                 held = self.held
-                steps = await swap(self.asleep)
-                t2 = time.monotonic()
-                self.version, self.checkpoint, self.asleep = version, checkpoint, False
+                result = await work()
+                return result, drained, held, t1 - t0, time.monotonic() - t1
             finally:
                 if not self.asleep:
                     is_open.set()
-            return SyncReport(version, checkpoint, held, drained, t1 - t0, t2 - t1, time.monotonic() - t0, steps)
+
+    async def sleep(self, action: Callable[[], Awaitable[None]]) -> SyncReport:
+        """Hold, drain, then put the backend to sleep; calls stay held until the next sync
+        (which wakes it). If the action fails the gate opens again."""
+        async def go() -> int:
+            await action()
+            self.asleep = True
+            return self.held
+        held, drained, _, drain_s, sleep_s = await self._while_held(go)
+        return SyncReport(self.version, self.checkpoint, held, drained, drain_s, sleep_s, drain_s + sleep_s)
+
+    async def sync(self, swap: Callable[[bool], Awaitable[dict | None]], version: int,
+                   checkpoint: str | None = None) -> SyncReport:
+        """Hold, drain, swap (waking the backend if it sleeps), set the version, release. If
+        the swap fails the old version stays in force (and the error is raised), and a
+        sleeping backend keeps the calls held."""
+        async def go() -> dict | None:
+            steps = await swap(self.asleep)
+            self.version, self.checkpoint, self.asleep = version, checkpoint, False
+            return steps
+        steps, drained, held, drain_s, swap_s = await self._while_held(go)
+        return SyncReport(version, checkpoint, held, drained, drain_s, swap_s, drain_s + swap_s, steps)

@@ -36,8 +36,8 @@ TOOLS = [{"type": "function", "function": {
 
 def run_session(base_url: str, session: str, prompt: str, seed: int) -> list[str]:
     """A multi-turn tool loop as a harness runs it: every turn resends the whole history.
-    Sample 0 of each task re-renders its earlier answers as some harnesses do (trailing
-    whitespace normalized to one newline, tool arguments re-serialized), so the next
+    Sample 0 of each task re-renders its earlier answers as some harnesses do (whitespace
+    around the text normalized to one newline each side, tool arguments re-serialized), so the next
     prompt holds other tokens than vLLM sampled: a real drift event."""
     rerender = session.endswith("~0")
     client = openai.OpenAI(api_key=f"polar-{session}", base_url=base_url + "/v1", max_retries=0, timeout=300)
@@ -50,7 +50,7 @@ def run_session(base_url: str, session: str, prompt: str, seed: int) -> list[str
                                            max_tokens=MAX_TOKENS, temperature=1.0)
         msg = r.choices[0].message
         texts.append(msg.content or "")
-        content = (msg.content or "").rstrip() + "\n" if rerender else msg.content
+        content = "\n" + (msg.content or "").strip() + "\n" if rerender else msg.content
         if msg.tool_calls:
             calls = [tc.model_dump() for tc in msg.tool_calls]
             if rerender:

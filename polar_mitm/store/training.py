@@ -10,11 +10,13 @@ recorded before the rule are judged the same way."""
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, TypedDict
 
+import duckdb
 import orjson
 
 from .db import reading, writing
@@ -260,13 +262,22 @@ def set_rewards(db: str | os.PathLike, rewards: Iterable[dict], timeout: float =
                      orjson.dumps(info).decode() if info is not None else None])
     if not Path(db).exists():
         raise FileNotFoundError(f"no database at {db}")
-    with writing(db, timeout) as con:
-        con.execute("BEGIN")
-        con.executemany(
-            "INSERT INTO sessions (session_id, task_id, source, reward, reward_info) "
-            "VALUES (?, ?, 'rollout', ?, ?) ON CONFLICT (session_id) DO UPDATE SET "
-            "reward = excluded.reward, reward_info = excluded.reward_info, "
-            "task_id = coalesce(sessions.task_id, excluded.task_id)", rows)
-        con.execute("COMMIT")
+    for attempt in range(5):
+        try:
+            with writing(db, timeout) as con:
+                con.execute("BEGIN")
+                con.executemany(
+                    "INSERT INTO sessions (session_id, task_id, source, reward, reward_info) "
+                    "VALUES (?, ?, 'rollout', ?, ?) ON CONFLICT (session_id) DO UPDATE SET "
+                    "reward = excluded.reward, reward_info = excluded.reward_info, "
+                    "task_id = coalesce(sessions.task_id, excluded.task_id)", rows)
+                con.execute("COMMIT")
+            return len(rows)
+        except duckdb.TransactionException as e:
+            # A node of this process storing the same settled reward at the same moment
+            # ("Conflict on update!"): the upsert is idempotent, so it is tried again.
+            if "Conflict" not in str(e) or attempt == 4:
+                raise
+            time.sleep(0.05 * 2 ** attempt)
     return len(rows)
 

@@ -15,7 +15,7 @@ import click
 from . import launch
 from .models import cache_dir
 from .rollout_cli import register as register_rollout
-from .stack import start_stack, stop_on_sigterm
+from .stack import Stack, stop_on_sigterm
 from .store import export_parquet, query
 
 
@@ -116,20 +116,18 @@ def up(db, backend, port, reverse_port, confdir, max_model_len, model, dtype):
     stop_on_sigterm()
     logs = cache_dir() / "logs"
     logs.mkdir(mode=0o700, parents=True, exist_ok=True)
-    services, backend = start_stack(db, backend, port, reverse_port, confdir, logs, max_model_len,
-                                     model=model, dtype=dtype)
-    try:
-        click.echo(f"proxy ready: backend {backend}, database {db}\nharness environment:")
-        for k, v in launch.proxy_env(port, confdir).items():
-            click.echo(f"  export {k}={v}")
-        click.echo(f"or point a base URL at http://127.0.0.1:{reverse_port}")
-        while all(s.alive() for s in services):
-            time.sleep(1)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        for s in reversed(services):
-            s.stop()
+    with Stack() as stack:
+        backend = stack.start_gateway(db, backend, port, reverse_port, confdir, logs, max_model_len,
+                                      model=model, dtype=dtype)
+        try:
+            click.echo(f"proxy ready: backend {backend}, database {db}\nharness environment:")
+            for k, v in launch.proxy_env(port, confdir).items():
+                click.echo(f"  export {k}={v}")
+            click.echo(f"or point a base URL at http://127.0.0.1:{reverse_port}")
+            while not stack.dead():
+                time.sleep(1)
+        except KeyboardInterrupt:
+            pass
 
 
 DEMO_TASKS = Path(__file__).parent / "demo_tasks"
@@ -163,14 +161,11 @@ def demo(sdk, out, iterations, db, backend, max_tokens):
     stop_on_sigterm()
     work = Path(tempfile.mkdtemp(prefix="polar-demo-"))
     port, reverse_port = launch.free_ports(2)
-    services, backend = start_stack(db, backend, port, reverse_port, work / "mitmproxy", work, 8192)
-    try:
+    with Stack() as stack:
+        stack.start_gateway(db, backend, port, reverse_port, work / "mitmproxy", work, 8192)
         click.echo("driving the official SDKs through the proxy (HTTPS_PROXY and base URL)")
         for r in drive(port, reverse_port, work / "mitmproxy", max_tokens):
             click.echo(f"  {r['style']:17} {r['mode']:8} stream={str(r['stream']):5} -> {r['text']!r}")
-    finally:
-        for s in reversed(services):
-            s.stop()
     click.echo(f"\nrecorded in {db}:")
     _print_table(*query(db, SUMMARY_SQL), "table")
     _print_table(*query(db, "SELECT * FROM session_summary"), "table")

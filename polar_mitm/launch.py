@@ -32,17 +32,30 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+def _port_slice() -> tuple[int, int]:
+    """$POLAR_PORT_SLICE "I/N": this process (and what it starts) picks only ports p with
+    p // 2 % N == I (Linux hands out mostly odd ports to bind(0)). Processes that pick at
+    once, each from its own slice, never pick the same port (the test suite's parallel
+    workers); unset, every port is this process's."""
+    i, _, n = os.environ.get("POLAR_PORT_SLICE", "").partition("/")
+    if i.isdigit() and n.isdigit() and int(i) < int(n):
+        return int(i), int(n)
+    return 0, 1
+
+
 def free_ports(n: int) -> list[int]:
     """n free ports, distinct from each other and from every port picked before in this
     process. Sockets stay bound until all are picked, so none comes back twice."""
     socks: list[socket.socket] = []
     ports: list[int] = []
+    mine, slices = _port_slice()
     with _PICKING:
         try:
             while len(ports) < n:
                 socks.append(s := socket.socket())
                 s.bind(("127.0.0.1", 0))
-                if (port := s.getsockname()[1]) not in _HANDED_OUT:
+                port = s.getsockname()[1]
+                if port // 2 % slices == mine and port not in _HANDED_OUT:   # held: not drawn again
                     ports.append(port)
             _HANDED_OUT.update(ports)
             return ports
@@ -94,13 +107,14 @@ class Service:
                  umask: int | None = None):
         self.name, self.argv = name, argv
         self.log_path = Path(log_path) if log_path else None
-        log = open_private_log(self.log_path) if self.log_path else subprocess.DEVNULL
+        log = open_private_log(self.log_path) if self.log_path else None
         try:
-            self.proc = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdout=log,
+            self.proc = subprocess.Popen(argv, env={**os.environ, **(env or {})},
+                                         stdout=log if log is not None else subprocess.DEVNULL,
                                          stderr=subprocess.STDOUT, start_new_session=True,
                                          umask=-1 if umask is None else umask)
         finally:
-            if log is not subprocess.DEVNULL:
+            if log is not None:
                 log.close()   # the child has its own copy
         # stopped with this process even if it is SIGKILLed (no stop() will run then)
         janitor().watch_group(self.proc.pid)

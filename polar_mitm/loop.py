@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import math
 import os
 import secrets
 import shutil
@@ -32,13 +31,16 @@ from typing import Callable
 import click
 
 from . import launch
-from .rollout import RolloutServer
+from .grpo.advantages import group_stats
 from .rollout.client import ServerClient, ServerError
 from .rollout.rewards import reward_records
-from .rollout.server import TERMINAL
+from .rollout.protocol import Group
+from .rollout.spec import TaskRequest
+from .rollout.states import TASK_SETTLED, TERMINAL
+from .session_ids import TASK_ID_MAX, run_task_id, task_of_run
 from .store import init_db
 from .store.loop import iterations as stored_iterations
-from .store.loop import record_iteration, record_version
+from .store.loop import IterationRow, TaskRewards, record_iteration, record_version
 from .store.training import set_rewards, training_calls
 
 
@@ -93,10 +95,9 @@ class LoopError(click.ClickException):
 
 
 def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.echo) -> list[dict]:
-    from .grpo.rollouts import calls_from_records
     from .grpo.train import Trainer, TrainError
     from .models import DEFAULT_MODEL_NAME, ensure_default_model
-    from .stack import ensure_harnesses, read_tasks, start_node_stack, stop_stack
+    from .stack import Stack, ensure_harnesses, read_tasks
 
     if opts.server and opts.backend:
         raise LoopError("--server or --backend, not both: the rollout server's nodes have their own backends")
@@ -126,8 +127,8 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
     init_db(db)
     work = out / "work"
     work.mkdir(mode=0o700, exist_ok=True)
-    services: list[launch.Service] = []
-    server = node = client = None
+    stack = Stack()
+    client = None
     try:
         # the stack, once ------------------------------------------------------------------------
         serving = state.checkpoint or base
@@ -141,7 +142,7 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
                 echo(f"starting vLLM on 127.0.0.1:{port} serving {serving} (policy version {state.version}, "
                      f"{opts.dtype}); log {work / 'vllm.log'}")
                 t0 = time.monotonic()
-                services.append(launch.start_vllm(
+                stack.add(launch.start_vllm(
                     serving, port=port, served_name=DEFAULT_MODEL_NAME, log_path=work / "vllm.log",
                     max_model_len=opts.max_model_len, chat_template=launch.TEMPLATES / "smollm2_tools.jinja"
                     if not opts.model else None, dtype=opts.dtype,
@@ -151,19 +152,16 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
                     + (["--logprobs-mode", "processed_logprobs"] if train_cfg.temperature != 1.0 else [])))
                 echo(f"vLLM ready after {time.monotonic() - t0:.0f}s")
                 backend = f"http://127.0.0.1:{port}"
-            server = RolloutServer(db).start()
-            server_url = server.url
-            proxy, node = start_node_stack(
+            server_url = stack.start_server(db).url
+            stack.start_node(
                 db=db, backend=backend, work=work, proxy_port=launch.free_port(), workers=opts.workers,
-                max_tokens=opts.max_tokens, server_url=server.url, temperature=train_cfg.temperature,
+                max_tokens=opts.max_tokens, server_url=server_url, temperature=train_cfg.temperature,
                 extra_sets=[f"polar_policy_version={state.version}"])
-            services.append(proxy)
         client = ServerClient(server_url)
 
         def check() -> None:
-            dead = [s for s in services if not s.alive()]
-            if dead:
-                raise LoopError("a service stopped: " + "; ".join(f"{s.name}: {s.tail(5)}" for s in dead))
+            if stack.dead():
+                raise LoopError(f"a service stopped: {stack.why_dead()}")
 
         def sync(version: int, checkpoint: str, asleep: bool = False) -> dict:
             """Every node's gateway and vLLM to (version, checkpoint), or asleep; the slowest
@@ -186,36 +184,33 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
         for it in range(state.completed, opts.iterations):
             version = state.version
             t0 = time.monotonic()
-            train_ids = _submit(client, tasks, f"@{state.run_id}.{it}")
-            eval_ids = _submit(client, eval_tasks, f"@{state.run_id}.{it}.eval")
-            samples = {t.task_id + f"@{state.run_id}.{it}": t.num_samples for t in tasks}
-            samples.update({t.task_id + f"@{state.run_id}.{it}.eval": t.num_samples for t in eval_tasks})
-            groups = _wait_rollouts(client, samples, check, f"iteration {it + 1}/{opts.iterations} "
+            train = _submit(client, tasks, state.run_id, it)
+            held_out = _submit(client, eval_tasks, state.run_id, it, held_out=True)
+            groups = _wait_rollouts(client, [*train, *held_out], check, f"iteration {it + 1}/{opts.iterations} "
                                     f"rollouts (policy v{version})")
             rollout_s = time.monotonic() - t0
             if opts.max_staleness >= 1 and it + 1 < opts.iterations:
                 # The next iteration's rollouts run while this one trains and syncs: sampled by
                 # version v until the sync, v + 1 after it (each call knows which).
-                _submit(client, tasks, f"@{state.run_id}.{it + 1}")
-                _submit(client, eval_tasks, f"@{state.run_id}.{it + 1}.eval")
-            row_extra: dict = {}
+                _submit(client, tasks, state.run_id, it + 1)
+                _submit(client, eval_tasks, state.run_id, it + 1, held_out=True)
+            row_extra: IterationRow = {}
             if opts.colocate:   # vLLM gives its memory to the trainer until the sync wakes it
                 t_sleep = time.monotonic()
                 sync(version, serving, asleep=True)
                 row_extra["sleep_s"] = time.monotonic() - t_sleep
-            train_groups = {tid: groups[tid] for tid in train_ids}
+            train_groups = {t.task_id: groups[t.task_id] for t in train}
             finals = [s for g in train_groups.values() for s in g["sessions"]]   # one per sample
-            on_failure = {t.task_id + f"@{state.run_id}.{it}": t.on_failure for t in tasks}
-            dbs = _store_rewards(db if not opts.server else None, client, train_groups, on_failure)
-            covers = {t.task_id + f"@{state.run_id}.{it}": t.reward_covers for t in tasks}
+            dbs = _store_rewards(db if not opts.server else None, client, train, groups)
+            covers = {t.task_id: t.spec.reward_covers for t in train}
             data = training_calls(dbs, sessions=[s["session_id"] for s in finals], temperature=train_cfg.temperature,
                                   reward_covers=covers)
-            calls = calls_from_records(data.calls)
+            calls = data.calls
             # trained: calls at most max_staleness versions behind the policy now trained
-            fresh = [c for c in calls if _version_of(c) >= version - opts.max_staleness]
-            row = _rollout_row(state.run_id, it, version, train_groups, [groups[t] for t in eval_ids],
+            fresh = [c for c in calls if c.policy_version >= version - opts.max_staleness]
+            row = _rollout_row(state.run_id, it, version, train_groups, [groups[t.task_id] for t in held_out],
                                fresh, len(calls) - len(fresh))
-            row.update(rollout_s=rollout_s, **row_extra)
+            row.update({"rollout_s": rollout_s, **row_extra})
 
             t1 = time.monotonic()
             history: list[dict] = []
@@ -230,8 +225,8 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
                 tstate = out / "trainer" / f"v{version + 1}.pt"
                 tstate.parent.mkdir(exist_ok=True)
                 trainer.save_state(tstate)
-                row.update(checkpoint=str(ckpt), loss=history[-1]["loss"], clip_frac=history[-1]["clip_frac"],
-                           logprob_abs_diff=history[0]["logprob_abs_diff"])
+                row.update({"checkpoint": str(ckpt), "loss": history[-1]["loss"], "clip_frac": history[-1]["clip_frac"],
+                            "logprob_abs_diff": history[0]["logprob_abs_diff"]})
             row["train_s"] = time.monotonic() - t1
 
             t2 = time.monotonic()
@@ -247,8 +242,8 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
                 report = sync(version, serving)
             else:
                 report = {}
-            row.update(sync_drain_s=report.get("drain_s"), sync_reload_s=report.get("reload_s"),
-                       sync_reset_s=report.get("reset_s"), sync_wake_s=report.get("wake_s"))
+            row.update({"sync_drain_s": report.get("drain_s"), "sync_reload_s": report.get("reload_s"),
+                        "sync_reset_s": report.get("reset_s"), "sync_wake_s": report.get("wake_s")})
             row["sync_s"] = time.monotonic() - t2
             record_iteration(db, row, history)
             state.completed = it + 1
@@ -265,7 +260,7 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
     finally:
         if client is not None:
             client.close()
-        stop_stack(node, server, services)
+        stack.stop()
         os.close(lock)
 
 
@@ -283,17 +278,27 @@ def _slowest(details: list[dict | None]) -> dict:
     return out
 
 
-def _store_rewards(db: str | None, client, groups: dict[str, dict], on_failure: dict[str, str]) -> list[str]:
+@dataclass(frozen=True)
+class Submitted:
+    """A task as this run submitted it for one iteration."""
+    task_id: str              # TASK@RUN.I (held out: TASK@RUN.I.eval): its own GRPO group
+    spec: TaskRequest         # the task as read (task_id TASK)
+
+
+def _store_rewards(db: str | None, client: ServerClient, submitted: list[Submitted],
+                   groups: dict[str, Group]) -> list[str]:
     """The server's groups are the record: each final session's reward goes into the database
     of the node that ran it (db: the one database on one machine). Its node stores it too,
     once settled, but may have been killed in between. A session that failed scores 0 under
     on_failure "zero". Returns the databases that hold this iteration's calls."""
     nodes = client.policy_status()["nodes"] if db is None else {}
     per_db: dict[str, list[dict]] = {}
-    for tid, g in groups.items():
+    for t in submitted:
+        g = groups[t.task_id]
         ran_on = {s["session_id"]: s.get("node_id") for s in g["sessions"]}
-        for r in reward_records(g, on_failure[tid]):
-            target = db or (nodes.get(ran_on[r["session_id"]]) or {}).get("db")
+        for r in reward_records(g, t.spec.on_failure):
+            node = nodes.get(ran_on[r["session_id"]] or "")
+            target = db or (node["db"] if node else None)
             if target is not None:     # None: it never ran on a node, so it has no calls
                 per_db.setdefault(target, []).append(r)
     missing = sorted(d for d in per_db if not Path(d).exists())
@@ -306,20 +311,23 @@ def _store_rewards(db: str | None, client, groups: dict[str, dict], on_failure: 
     return sorted(per_db) or ([db] if db else [])
 
 
-def _submit(client, tasks, suffix: str) -> list[str]:
-    ids = []
+def _submit(client: ServerClient, tasks: list[TaskRequest], run_id: str, it: int,
+            held_out: bool = False) -> list[Submitted]:
+    out = []
     for t in tasks:
-        tid = t.task_id + suffix
-        if len(tid) > 120:
-            raise LoopError(f"{t.task_id}: task ids of at most {120 - len(suffix)} characters, please")
+        tid = run_task_id(t.task_id, run_id, it, held_out)
+        if len(tid) > TASK_ID_MAX:
+            raise LoopError(f"{t.task_id}: task ids of at most {TASK_ID_MAX - len(tid) + len(t.task_id)} "
+                            "characters, please")
         client.submit(replace(t, task_id=tid))   # there already: a rerun resumes its sessions
-        ids.append(tid)
-    return ids
+        out.append(Submitted(tid, t))
+    return out
 
 
-def _wait_rollouts(client, samples: dict[str, int], check: Callable[[], None], label: str) -> dict[str, dict]:
+def _wait_rollouts(client: ServerClient, submitted: list[Submitted], check: Callable[[], None],
+                   label: str) -> dict[str, Group]:
     """Until every task is done or cancelled; their scored groups."""
-    ids, total = list(samples), sum(samples.values())
+    ids, total = [t.task_id for t in submitted], sum(t.spec.num_samples for t in submitted)
     with click.progressbar(length=total, label=label, file=sys.stderr, show_pos=True) as bar:
         settled = 0
         while True:
@@ -327,21 +335,22 @@ def _wait_rollouts(client, samples: dict[str, int], check: Callable[[], None], l
             now = sum(1 for g in groups.values() for s in g["sessions"] if s["state"] in TERMINAL)
             bar.update(now - settled)
             settled = now
-            if all(g["state"] in ("done", "cancelled") for g in groups.values()):
+            if all(g["state"] in TASK_SETTLED for g in groups.values()):
                 return groups
             check()
             time.sleep(1.0)
 
 
-def _rollout_row(run_id: str, it: int, version: int, groups: dict, eval_groups: list[dict],
-                 calls, stale: int) -> dict:
-    rewards, per_task = [], {}
+def _rollout_row(run_id: str, it: int, version: int, groups: dict[str, Group], eval_groups: list[Group],
+                 calls, stale: int) -> IterationRow:
+    rewards: list[float] = []
+    per_task: dict[str, TaskRewards] = {}
     states: dict[str, int] = {}
     for tid, g in groups.items():
         rs = [s["reward"] for s in g["sessions"] if s["reward"] is not None]
         for s in g["sessions"]:
             states[s["state"]] = states.get(s["state"], 0) + 1
-        task = tid.rsplit("@", 1)[0]
+        task = task_of_run(tid)
         per_task[task] = {"mean": _mean(rs), "std": _std(rs), "n": len(rs)}
         rewards += rs
     eval_rewards = [s["reward"] for g in eval_groups for s in g["sessions"] if s["reward"] is not None]
@@ -380,30 +389,19 @@ def _prune(state: LoopState, keep: int) -> None:
             Path(old.replace("/checkpoints/", "/trainer/") + ".pt").unlink(missing_ok=True)
 
 
-def _version_of(call) -> int:
-    """The policy version that sampled a call (the gateway's integer); -1 if unknown."""
-    try:
-        return int(call.policy_version)
-    except (TypeError, ValueError):
-        return -1
-
-
 def _mean(xs) -> float | None:
-    return sum(xs) / len(xs) if xs else None
+    return group_stats(xs).mean if xs else None
 
 
 def _std(xs) -> float | None:
-    if not xs:
-        return None
-    m = sum(xs) / len(xs)
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+    return group_stats(xs).std if xs else None
 
 
 def _f(x, spec=".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def _iteration_line(r: dict) -> str:
+def _iteration_line(r: IterationRow) -> str:
     return (f"iteration {r['iteration'] + 1} (policy v{r['policy_version']}): reward {_f(r['reward_mean'])} "
             f"+- {_f(r['reward_std'])}, held-out {_f(r['eval_reward_mean'])}; {r['calls']} calls, "
             f"loss {_f(r.get('loss'), '+.4f')}; rollouts {r['rollout_s']:.0f}s, training {r['train_s']:.0f}s, "

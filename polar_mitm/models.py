@@ -68,5 +68,5 @@ def _convert(gguf: Path, out: Path) -> None:
         delattr(config, "quantization_config")
     plain = LlamaForCausalLM(config)
     plain.load_state_dict(model.state_dict())
-    plain.to(torch.bfloat16).save_pretrained(out)
+    plain.bfloat16().save_pretrained(out)
     tok.save_pretrained(out)

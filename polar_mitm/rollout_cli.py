@@ -4,41 +4,43 @@
 input, a dead --backend, a service that stopped: the message says which); 3 when the run
 finished but sessions failed or a callback was not delivered; 130 after Ctrl-C (SIGINT)
 and 143 after SIGTERM (the sessions in flight go back in the queue: a rerun resumes).
+`rollout-server` and `node` run until stopped: 130 after Ctrl-C, 143 after SIGTERM.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any, Mapping
 
 import click
 
 from . import launch
+from .grpo.advantages import group_stats, no_signal
 from .rollout import RolloutServer
 from .rollout import harnesses
+from .rollout.protocol import Group, SessionResult
 from .rollout.rewards import reward_records
-from .rollout.server import ORDER
-from .rollout.spec import TaskChanged, TaskExists, spec_changes, task_from_json
-from .rollout.states import OUTCOMES, TASK_SETTLED, Session
-from .stack import (check_backend, check_workspaces, ensure_harnesses, interrupted_exit_code, read_tasks,
-                    start_node_stack, start_stack, stop_on_sigterm, stop_stack)
+from .rollout.spec import TaskChanged, TaskExists, TaskRequest, spec_changes, task_from_json
+from .rollout.states import ORDER, OUTCOMES, TASK_SETTLED, TERMINAL, Callback, Session
+from .stack import (Stack, check_backend, check_workspaces, ensure_harnesses, interrupted_exit_code, read_tasks,
+                    stop_on_sigterm)
 from .store import figures as store_figures
-from .store import rollouts as rollout_store
+from .store import rollout_journal
 from .store.training import set_rewards
 
 EXIT_FAILED = 3       # the run finished, but sessions failed or a callback was not delivered
 
 
-def stored_changes(db: str, tasks) -> dict[str, list[str]]:
+def stored_changes(db: str, tasks: list[TaskRequest]) -> dict[str, list[str]]:
     """The tasks already in db under another spec: task_id -> what changed."""
     if not Path(db).exists():
         return {}
-    rollout_store.ensure(db)
-    stored = {t["task_id"]: t["spec"] for t in rollout_store.load(db)[0]}
+    rollout_journal.ensure(db)
+    stored = {t["task_id"]: t["spec"] for t in rollout_journal.load(db)[0]}
     changed = {}
     for t in tasks:
         if t.task_id in stored:
@@ -49,22 +51,16 @@ def stored_changes(db: str, tasks) -> dict[str, list[str]]:
 
 
 # -- the figures an RL user watches ------------------------------------------------------------
-FINISHED = OUTCOMES                                # sessions that ran to an outcome
-SETTLED = OUTCOMES | {Session.CANCELLED}           # a sample's final states
-
-
-def reward_figures(sessions: list[dict]) -> dict | None:
-    """A group's rewards: n, mean, std (population, as GRPO's advantage), min, max, and flat
-    when the trainer finds no signal in it: a single reward, or zero variance (the rule of
-    grpo/advantages.py: std <= 1e-6 * max(1, |mean|); such a group is left out of training)."""
+def reward_figures(sessions: list[SessionResult]) -> dict | None:
+    """A group's rewards: n, mean, std, min, max, and flat when the trainer finds no signal
+    in it (grpo/advantages.py's group_stats and no_signal: such a group is left out of
+    training)."""
     rewards = [float(s["reward"]) for s in sessions if s["reward"] is not None]
     if not rewards:
         return None
-    n = len(rewards)
-    mean = sum(rewards) / n
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / n)
-    return {"n": n, "mean": mean, "std": std, "min": min(rewards), "max": max(rewards),
-            "flat": n < 2 or std <= 1e-6 * max(1.0, abs(mean))}
+    stats = group_stats(rewards)
+    return {"n": stats.n, "mean": stats.mean, "std": stats.std, "min": min(rewards),
+            "max": max(rewards), "flat": no_signal(stats)}
 
 
 def _duration(s: float) -> str:
@@ -88,7 +84,7 @@ class RunFigures:
         self.db_every, self.print_every = db_every, print_every
         self.t0, self.wall0 = time.monotonic(), time.time()
         self.end: float | None = None           # monotonic, once every task settled
-        self.groups = {tid: server.group(tid) for tid in self.ids}
+        self.groups: dict[str, Group] = {tid: server.group(tid) for tid in self.ids}
         self.baseline = self._finished()        # finished before this run (a resumed one)
         self.announced = {tid for tid, g in self.groups.items() if g["state"] in TASK_SETTLED}
         self.calls: dict[str, store_figures.SessionCalls] = {}
@@ -106,7 +102,7 @@ class RunFigures:
             until = self.wall0 + self.elapsed()
             # A finished session's calls are all recorded (the proxy answers a call once it is
             # durable, and a reader gets everything answered): these are counted whole.
-            finished = [s["session_id"] for s in self._latest() if s["state"] in FINISHED]
+            finished = [s["session_id"] for s in self._latest() if s["state"] in OUTCOMES]
             try:
                 self.calls, self.busy = store_figures.run_figures(self.db, self._attempt_ids(), self.wall0,
                                                                   until, timeout=30.0)
@@ -120,14 +116,14 @@ class RunFigures:
     def elapsed(self) -> float:
         return (self.end if self.end is not None else time.monotonic()) - self.t0
 
-    def _latest(self) -> list[dict]:
+    def _latest(self) -> list[SessionResult]:
         return [s for g in self.groups.values() for s in g["sessions"]]
 
     def _attempt_ids(self) -> list[str]:
         return [s["session_id"] for g in self.groups.values() for s in g["sessions"] + g["attempts"]]
 
     def _finished(self) -> int:
-        return sum(1 for s in self._latest() if s["state"] in FINISHED)
+        return sum(1 for s in self._latest() if s["state"] in OUTCOMES)     # ran to an outcome
 
     def rate(self) -> float | None:
         """Sessions finished per minute in this run."""
@@ -136,7 +132,7 @@ class RunFigures:
 
     def eta(self) -> float | None:
         """Seconds until every sample settles, at this run's rate so far."""
-        left = sum(1 for s in self._latest() if s["state"] not in SETTLED)
+        left = sum(1 for s in self._latest() if s["state"] not in TERMINAL)
         rate = self.rate()
         return 0.0 if not left else (left / rate * 60 if rate else None)
 
@@ -146,8 +142,8 @@ class RunFigures:
         done = self.counted
         if not done:
             return None
-        zero = {"calls": 0, "failed_calls": 0, "prompt_tokens": 0, "completion_tokens": 0}
-        rows = [self.calls.get(sid, zero) for sid in done]
+        zero = store_figures.SessionCalls(calls=0, failed_calls=0, prompt_tokens=0, completion_tokens=0)
+        rows: list[Mapping[str, Any]] = [self.calls.get(sid, zero) for sid in done]
         return {k: sum(r[k] for r in rows) / len(rows) for k in zero} | {"sessions": len(rows)}
 
     def flat_groups(self) -> tuple[list[str], int]:
@@ -155,7 +151,7 @@ class RunFigures:
         settled = [tid for tid, g in self.groups.items() if g["state"] in TASK_SETTLED]
         figs = {tid: reward_figures(self.groups[tid]["sessions"]) for tid in settled}
         with_rewards = [tid for tid, f in figs.items() if f]
-        return [tid for tid in with_rewards if figs[tid]["flat"]], len(with_rewards)
+        return [tid for tid, f in figs.items() if f and f["flat"]], len(with_rewards)
 
     def cancel_reasons(self) -> Counter:
         """Why the samples that were cancelled were: a session its node stopped says only
@@ -241,13 +237,13 @@ def print_summary(server: RolloutServer, task_ids: list[str], run: RunFigures | 
         g = run.groups[tid]
         states = [s["state"] for s in g["sessions"]]
         f = reward_figures(g["sessions"])
-        other = len(states) - states.count("done") - states.count("timed_out") - states.count("failed")
+        done, timed_out, failed = (states.count(k) for k in (Session.DONE, Session.TIMED_OUT, Session.FAILED))
+        other = len(states) - done - timed_out - failed
         figs = (f"{f['n']:>4} {f['mean']:>7.3f} {f['std']:>7.3f} {f['min']:>7.3f} {f['max']:>7.3f}"
                 + ("  ! zero variance: no signal" if f["flat"] else "")) if f else f"{0:>4} {'-':>7}"
-        click.echo(f"{tid[:24]:24} {g['state']:10} {states.count('done'):>5} {states.count('timed_out'):>7} "
-                   f"{states.count('failed'):>6} {other:>5} {figs}")
+        click.echo(f"{tid[:24]:24} {g['state']:10} {done:>5} {timed_out:>7} {failed:>6} {other:>5} {figs}")
         for s in g["sessions"]:
-            if s["state"] == "failed":
+            if s["state"] == Session.FAILED:
                 click.echo(f"  {s['session_id']}: {(s['reason'] or '')[:160]}")
     n = run._finished() - run.baseline
     rate = run.rate()
@@ -274,8 +270,8 @@ def print_summary(server: RolloutServer, task_ids: list[str], run: RunFigures | 
 
 def outcome_code(server: RolloutServer, task_ids: list[str]) -> int:
     """EXIT_FAILED when a session failed or a callback was not delivered (said on stderr)."""
-    failed = sum(1 for tid in task_ids for s in server.group(tid)["sessions"] if s["state"] == "failed")
-    undelivered = [tid for tid in task_ids if server.tasks[tid].callback_state == "failed"]
+    failed = sum(1 for tid in task_ids for s in server.group(tid)["sessions"] if s["state"] == Session.FAILED)
+    undelivered = [tid for tid in task_ids if server.tasks[tid].callback_state == Callback.FAILED]
     if failed:
         click.echo(f"{failed} session(s) failed", err=True)
     if undelivered:
@@ -286,8 +282,8 @@ def outcome_code(server: RolloutServer, task_ids: list[str]) -> int:
 def register(main: click.Group) -> None:
     @main.command()
     @click.argument("tasks_file", type=click.Path(exists=True, dir_okay=False))
-    @click.option("--harness", type=click.Choice([*harnesses.PACKAGES, "command"]), default=None,
-                  help="For tasks that name none (default pi)")
+    @click.option("--harness", type=click.Choice(list(harnesses.HARNESSES)), default=None,
+                  help=f"For tasks that name none (default {harnesses.DEFAULT})")
     @click.option("--samples", type=int, default=None, help="num_samples for tasks that give none")
     @click.option("--db", default="rollouts.duckdb", show_default=True)
     @click.option("--backend", default="", help="A vLLM server; default: start the embedded default model")
@@ -312,17 +308,14 @@ def register(main: click.Group) -> None:
         work = Path(os.environ.get("POLAR_ROLLOUT_WORK") or
                     Path(db).resolve().parent / f".{Path(db).name}.rollout")
         work.mkdir(mode=0o700, parents=True, exist_ok=True)
-        services = []
-        server = node = None
+        stack = Stack()
         code = 0
         try:
             if not backend:
-                services, backend = start_stack(db, "", launch.free_port(), None, work / "mitmproxy",
-                                                 work, 8192, proxy=False, model=model, dtype=dtype)
-            server = RolloutServer(db, port=port).start()
-            proxy, node = start_node_stack(db=db, backend=backend, work=work, proxy_port=launch.free_port(),
-                                           workers=workers, max_tokens=max_tokens, server_url=server.url)
-            services.append(proxy)
+                backend = stack.start_model(work, 8192, model=model, dtype=dtype)
+            server = stack.start_server(db, port=port)
+            stack.start_node(db=db, backend=backend, work=work, proxy_port=launch.free_port(),
+                             workers=workers, max_tokens=max_tokens, server_url=server.url)
             ids = []
             for t in tasks:
                 try:
@@ -341,16 +334,14 @@ def register(main: click.Group) -> None:
             while not server.wait(ids, timeout=2.0):
                 for line in run.tick():
                     click.echo(line)
-                if not all(s.alive() for s in services):
-                    raise click.ClickException("a service stopped: " + "; ".join(
-                        f"{s.name}: {s.tail(5)}" for s in services if not s.alive()))
+                if stack.dead():
+                    raise click.ClickException(f"a service stopped: {stack.why_dead()}")
             run.stop_clock()
             for line in run.tick(final=True):
                 click.echo(line)
             # The node first: it stores the rewards the server settled before it returns (two
             # writers of one row in this process would conflict).
-            node.stop()
-            node = None
+            stack.stop_nodes()
             # the server's record of each group, stored (a node killed before it stored a
             # settled reward left it out)
             # (the stored spec: under --on-changed keep, the one that ran)
@@ -364,7 +355,7 @@ def register(main: click.Group) -> None:
             click.echo("interrupted: sessions in flight were stopped and go back in the queue; "
                        "rerun the same command to resume", err=True)
         finally:
-            stop_stack(node, server, services)
+            stack.stop()
         if code:
             sys.exit(code)
 
@@ -397,16 +388,17 @@ def register(main: click.Group) -> None:
     def rollout_server(db, host, port, node_timeout, workspace_check):
         """Serve the rollout API (POST /tasks, GET /tasks/ID, POST /tasks/ID/cancel, GET /status)."""
         stop_on_sigterm()
-        server = RolloutServer(db, host=host, port=port, node_timeout=node_timeout,
-                               check_workspaces=workspace_check).start()
-        click.echo(f"rollout server on {server.url}, state in {db}")
+        stack = Stack()
         try:
-            while True:
-                time.sleep(1)
-        except KeyboardInterrupt:
-            pass
+            server = stack.start_server(db, host=host, port=port, node_timeout=node_timeout,
+                                        check_workspaces=workspace_check)
+            click.echo(f"rollout server on {server.url}, state in {db}")
+            code = _run_until_stopped(stack)
+        except KeyboardInterrupt as e:
+            code = interrupted_exit_code(e)
         finally:
-            server.stop()
+            stack.stop()
+        sys.exit(code)
 
     @main.command()
     @click.option("--server", "server_url", required=True, help="The rollout server's URL")
@@ -419,24 +411,29 @@ def register(main: click.Group) -> None:
     def node(server_url, backend, db, proxy_port, workers, max_tokens, node_id):
         """Run a gateway node: the proxy plus the INIT, RUN and POST_RUN pools. It pauses
         (takes no work, starts no harness) while its backend does not answer."""
-        check_backend(backend)
-        stop_on_sigterm()
-        work = Path(db).resolve().parent / f".{Path(db).name}.node"
-        work.mkdir(mode=0o700, parents=True, exist_ok=True)
-        proxy, gw = start_node_stack(db=db, backend=backend, work=work,
-                                     proxy_port=proxy_port or launch.free_port(), workers=workers,
-                                     max_tokens=max_tokens or None, server_url=server_url, node_id=node_id)
-        click.echo(f"node {gw.cfg.node_id}: proxy on 127.0.0.1:{gw.cfg.proxy_port}, database {db}")
+        stop_on_sigterm()    # first: a Ctrl-C during the check below exits 130 too
+        stack = Stack()
         try:
-            while proxy.alive():
-                time.sleep(1)
-            click.echo(f"the proxy stopped: {proxy.tail(10)}", err=True)
-            sys.exit(1)
-        except KeyboardInterrupt:
-            pass
+            check_backend(backend)
+            work = Path(db).resolve().parent / f".{Path(db).name}.node"
+            work.mkdir(mode=0o700, parents=True, exist_ok=True)
+            gw = stack.start_node(db=db, backend=backend, work=work, proxy_port=proxy_port or launch.free_port(),
+                                  workers=workers, max_tokens=max_tokens or None, server_url=server_url,
+                                  node_id=node_id)
+            click.echo(f"node {gw.cfg.node_id}: proxy on 127.0.0.1:{gw.cfg.proxy_port}, database {db}")
+            code = _run_until_stopped(stack)
+        except KeyboardInterrupt as e:
+            code = interrupted_exit_code(e)
         finally:
-            gw.stop()
-            proxy.stop()
+            stack.stop()
+        sys.exit(code)
+
+    def _run_until_stopped(stack: Stack) -> int:
+        """Until a service stops (1; a signal raises Interrupted, a KeyboardInterrupt)."""
+        while not stack.dead():
+            time.sleep(1)
+        click.echo(f"a service stopped: {stack.why_dead()}", err=True)
+        return 1
 
     @main.group()
     def harness():

@@ -1,6 +1,7 @@
-"""Starting what runs on this machine: vLLM and the proxy (polar-mitm up, demo, rollout), a
-rollout server's gateway node around its proxy, task files, harness installs, and SIGTERM
-handling. Shared by the CLIs and the loop."""
+"""Starting what runs on this machine: the Stack (vLLM and the proxy for polar-mitm up, demo,
+rollout; a rollout server; gateway nodes around their proxies), owned by one object and
+stopped together; task files, harness installs, and SIGTERM handling. Shared by the CLIs and
+the loop."""
 
 from __future__ import annotations
 
@@ -8,17 +9,19 @@ import secrets
 import signal
 import time
 from pathlib import Path
+from typing import Any, Iterable
 
 import click
 import orjson
 
 from . import launch
+from .launch import Service
 from .models import DEFAULT_MODEL_NAME, ensure_default_model
-from .rollout import GatewayNode, NodeConfig, TaskError, parse_task
-from .rollout.node import probe_backend
-from .rollout.spec import check_workspace
+from .rollout import GatewayNode, NodeConfig, RolloutServer, TaskError, TaskRequest, parse_task
 from .rollout import harnesses
+from .rollout.node import probe_backend
 from .rollout.runtime import LocalRuntime
+from .rollout.spec import check_workspace
 
 
 class Interrupted(KeyboardInterrupt):
@@ -54,43 +57,103 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGINT, ctrl_c)
 
 
-def start_stack(db, backend, port, reverse_port, confdir, logs: Path, max_model_len, proxy=True,
-                 model: str = "", dtype: str = "float32"):
-    services = []
-    try:
-        return start_services(services, db, backend, port, reverse_port, confdir, logs, max_model_len,
-                               proxy, model, dtype)
-    except BaseException:  # e.g. the proxy failed, or SIGTERM, after vLLM started
-        for s in reversed(services):
-            s.stop()
-        raise
+class Stack:
+    """What this process runs, in one place: services (vLLM, mitmdump: child processes), a
+    rollout server and gateway nodes (threads of this process). stop() ends them in the
+    reverse order of their start (nodes, the server, then the services), also when a start
+    fails half-way (as a context manager)."""
 
+    def __init__(self) -> None:
+        self.services: list[Service] = []
+        self.server: RolloutServer | None = None
+        self.nodes: list[GatewayNode] = []
 
-def start_services(services, db, backend, port, reverse_port, confdir, logs, max_model_len, proxy,
-                    model: str = "", dtype: str = "float32"):
-    if not backend:
-        # model: a checkpoint of the default model (polar-train's) or any HF directory
+    def __enter__(self) -> "Stack":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def add(self, service: Service) -> Service:
+        self.services.append(service)
+        return service
+
+    def start_model(self, logs: Path, max_model_len: int, model: str = "", dtype: str = "float32") -> str:
+        """vLLM serving `model` (a checkpoint of the default model, polar-train's, or any HF
+        directory; default: the embedded default model); returns its URL."""
         model_dir = model or ensure_default_model(log=click.echo)
         vport = launch.free_port()
         click.echo(f"starting vLLM ({model_dir}, {dtype}) on 127.0.0.1:{vport}; "
                    f"log {logs / 'vllm.log'} (first start takes minutes on CPU)")
         t0 = time.time()
-        services.append(launch.start_vllm(
+        self.add(launch.start_vllm(
             model_dir, port=vport, served_name=DEFAULT_MODEL_NAME, log_path=logs / "vllm.log",
             max_model_len=max_model_len, chat_template=launch.TEMPLATES / "smollm2_tools.jinja", dtype=dtype))
         click.echo(f"vLLM ready after {time.time() - t0:.0f}s")
-        backend = f"http://127.0.0.1:{vport}"
-    if not proxy:
-        return services, backend
-    services.append(launch.start_proxy(db=db, backend=backend, port=port, confdir=confdir,
-                                       log_path=logs / "mitmdump.log", reverse_port=reverse_port))
-    return services, backend
+        return f"http://127.0.0.1:{vport}"
+
+    def start_gateway(self, db: str, backend: str, port: int, reverse_port: int | None, confdir: str | Path,
+                      logs: Path, max_model_len: int, model: str = "", dtype: str = "float32") -> str:
+        """vLLM (unless a backend is given) and the proxy before it; returns the backend."""
+        if not backend:
+            backend = self.start_model(logs, max_model_len, model, dtype)
+        self.add(launch.start_proxy(db=db, backend=backend, port=port, confdir=confdir,
+                                    log_path=logs / "mitmdump.log", reverse_port=reverse_port))
+        return backend
+
+    def start_server(self, db: str, **options: Any) -> RolloutServer:
+        self.server = RolloutServer(db, **options).start()
+        return self.server
+
+    def start_node(self, *, db: str, backend: str, work: Path, proxy_port: int, workers: int,
+                   max_tokens: int | None, server_url: str, node_id: str | None = None,
+                   extra_sets: list[str] | None = None, temperature: float | None = None) -> GatewayNode:
+        """The proxy (mitmdump) and a gateway node around it. The node alone holds the proxy's
+        control token: weight syncs come through the node."""
+        token = secrets.token_hex(16)
+        sampling = ([f"max_tokens={max_tokens}"] if max_tokens else []) + \
+            ([f"temperature={temperature}"] if temperature is not None else [])   # the policy's
+        sets = [f"polar_sampling={','.join(sampling)}"] if sampling else []
+        sets += [f"polar_control_token={token}", *(extra_sets or [])]
+        confdir = work / "mitmproxy"
+        self.add(launch.start_proxy(db=db, backend=backend, port=proxy_port, confdir=confdir,
+                                    log_path=work / "mitmdump.log", extra_sets=sets))
+        cfg = NodeConfig(server_url=server_url, proxy_port=proxy_port,
+                         ca_path=str(confdir / "mitmproxy-ca-cert.pem"), db=db, control_token=token,
+                         init_workers=workers, run_workers=workers, post_workers=max(1, workers // 2),
+                         backend_url=backend)
+        if node_id:
+            cfg.node_id = node_id
+        node = GatewayNode(cfg, runtime=LocalRuntime(work / "sessions")).start()
+        self.nodes.append(node)
+        return node
+
+    def dead(self) -> list[Service]:
+        return [s for s in self.services if not s.alive()]
+
+    def why_dead(self) -> str:
+        """The services that stopped, each with its log's last lines ("" while all run)."""
+        return "; ".join(f"{s.name}: {s.tail(5)}" for s in self.dead())
+
+    def stop_nodes(self) -> None:
+        """The nodes first: each stores the rewards the server settled before it returns."""
+        while self.nodes:
+            self.nodes.pop().stop()
+
+    def stop(self) -> None:
+        self.stop_nodes()
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        while self.services:
+            self.services.pop().stop()
 
 
-def read_tasks(path: str, harness: str | None, samples: int | None) -> list:
+def read_tasks(path: str, harness: str | None, samples: int | None) -> list[TaskRequest]:
     """The tasks of a JSONL file; a bad line or a task_id given twice is an error that names
     its line(s)."""
-    tasks, lines = [], {}
+    tasks: list[TaskRequest] = []
+    lines: dict[str, int] = {}
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip() or line.lstrip().startswith("#"):
@@ -109,7 +172,7 @@ def read_tasks(path: str, harness: str | None, samples: int | None) -> list:
     return tasks
 
 
-def check_workspaces(tasks) -> None:
+def check_workspaces(tasks: Iterable[TaskRequest]) -> None:
     """Every task's workspace (directory, git repo and commit) is there, before anything starts."""
     for t in tasks:
         try:
@@ -125,42 +188,36 @@ def check_backend(url: str) -> None:
         raise click.ClickException(f"{error} (--backend {url})")
 
 
-def ensure_harnesses(names) -> None:
-    for name in sorted(set(names) - {"command"}):
+def ensure_harnesses(names: Iterable[str]) -> None:
+    """The CLIs of these harnesses installed (those with a package: the registry's)."""
+    for name in sorted(set(names) & set(harnesses.PACKAGES)):
         try:
             harnesses.executable(name)
         except harnesses.HarnessMissing:
-            click.echo(f"installing {name} ({harnesses.PACKAGES[name].npm}@{harnesses.PACKAGES[name].version})")
+            pkg = harnesses.PACKAGES[name]
+            click.echo(f"installing {name} ({pkg.npm}@{pkg.version})")
             harnesses.install(name)
 
 
 def start_node_stack(*, db: str, backend: str, work: Path, proxy_port: int, workers: int,
                      max_tokens: int | None, server_url: str, node_id: str | None = None,
-                     extra_sets: list[str] | None = None, temperature: float | None = None):
-    """The proxy (mitmdump) and a gateway node around it; returns (proxy service, node). The
-    node alone holds the proxy's control token: weight syncs come through the node."""
-    token = secrets.token_hex(16)
-    sampling = ([f"max_tokens={max_tokens}"] if max_tokens else []) + \
-        ([f"temperature={temperature}"] if temperature is not None else [])   # the policy's
-    sets = [f"polar_sampling={','.join(sampling)}"] if sampling else []
-    sets += [f"polar_control_token={token}", *(extra_sets or [])]
-    confdir = work / "mitmproxy"
-    proxy = launch.start_proxy(db=db, backend=backend, port=proxy_port, confdir=confdir,
-                               log_path=work / "mitmdump.log", extra_sets=sets)
-    cfg = NodeConfig(server_url=server_url, proxy_port=proxy_port, ca_path=str(confdir / "mitmproxy-ca-cert.pem"),
-                     db=db, control_token=token, init_workers=workers, run_workers=workers, post_workers=max(1, workers // 2),
-                     backend_url=backend)
-    if node_id:
-        cfg.node_id = node_id
-    node = GatewayNode(cfg, runtime=LocalRuntime(work / "sessions")).start()
-    return proxy, node
+                     extra_sets: list[str] | None = None,
+                     temperature: float | None = None) -> tuple[Service, GatewayNode]:
+    """Stack.start_node for a caller that owns the proxy and the node itself: (proxy, node)."""
+    stack = Stack()
+    try:
+        node = stack.start_node(db=db, backend=backend, work=work, proxy_port=proxy_port, workers=workers,
+                                max_tokens=max_tokens, server_url=server_url, node_id=node_id,
+                                extra_sets=extra_sets, temperature=temperature)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack.services[0], node
 
 
-def stop_stack(node, server, services) -> None:
-    """Stop a node, a rollout server and services, in the reverse order of their start."""
-    if node:
-        node.stop()
-    if server:
-        server.stop()
-    for s in reversed(services):
-        s.stop()
+def stop_stack(node: GatewayNode | None, server: RolloutServer | None, services: Iterable[Service]) -> None:
+    """Stop a node, a rollout server and services (a Stack of them), in the reverse order of
+    their start."""
+    stack = Stack()
+    stack.services, stack.server, stack.nodes = list(services), server, [node] if node else []
+    stack.stop()

@@ -11,20 +11,20 @@ from pathlib import Path
 
 import click
 
-from .grpo.config import AdvantageConfig, LossConfig, TrainConfig
-from .store.training import SAMPLING_REASONS, set_rewards, task_reward_covers, training_calls
+from .grpo.config import BUILDERS, NORMALIZATIONS, AdvantageConfig, LossConfig, TrainConfig
+from .trainer_input import Call
+from .store.training import SAMPLING_REASONS, TrainingData, set_rewards, task_reward_covers, training_calls
 
-
-_T_DEFAULT = TrainConfig().temperature
+_T, _L, _A = TrainConfig(), LossConfig(), AdvantageConfig()   # the defaults, in one place
 
 
 def _die(msg: str):
     raise click.ClickException(msg)
 
 
-def _load(dbs, tasks, sessions, require_reward=True, temperature=_T_DEFAULT, reward_covers=None):
+def _load(dbs, tasks, sessions, require_reward=True, temperature=_T.temperature,
+          reward_covers=None) -> tuple[list[Call], TrainingData]:
     """reward_covers None: each task's own choice (its stored spec), else "all" or "main"."""
-    from .grpo.rollouts import calls_from_records
     if not dbs:
         _die("give at least one --db")
     try:
@@ -35,7 +35,7 @@ def _load(dbs, tasks, sessions, require_reward=True, temperature=_T_DEFAULT, rew
         _die(str(e))
     except Exception as e:  # a locked or foreign file: say which
         _die(f"cannot read {', '.join(dbs)}: {e}")
-    return calls_from_records(data.calls), data
+    return data.calls, data
 
 
 def _sampling_line(data, temperature) -> str:
@@ -67,14 +67,10 @@ def main():
     """GRPO on recorded harness sessions."""
 
 
-_T, _L, _A = TrainConfig(), LossConfig(), AdvantageConfig()   # the defaults, in one place
-
-
 def trainer_options(f):
     """The options of train and loop, with TrainConfig's defaults."""
     for option in reversed([
-        click.option("--builder", type=click.Choice(["trie", "prefix_merging", "per_request"]),
-                     default=_T.builder, show_default=True),
+        click.option("--builder", type=click.Choice(BUILDERS), default=_T.builder, show_default=True),
         click.option("--lr", default=_T.lr, show_default=True),
         click.option("--warmup-steps", default=_T.warmup_steps, show_default=True,
                      help="Linear learning-rate warmup, in optimizer steps (over a whole loop)"),
@@ -82,7 +78,7 @@ def trainer_options(f):
         click.option("--groups-per-step", default=_T.groups_per_step, show_default=True,
                      help="0: all groups in one optimizer step"),
         click.option("--token-budget", default=_T.token_budget, show_default=True, help="Tokens per micro-batch row"),
-        click.option("--normalization", type=click.Choice(["token", "session"]), default=_T.normalization,
+        click.option("--normalization", type=click.Choice(NORMALIZATIONS), default=_T.normalization,
                      show_default=True),
         click.option("--std/--no-std", "scale_std", default=_A.scale_std, show_default=True,
                      help="Divide advantages by the group's reward std"),
@@ -95,7 +91,8 @@ def trainer_options(f):
                      help="k3 KL to the initial policy (or --ref-model)"),
         click.option("--max-grad-norm", default=_T.max_grad_norm, show_default=True),
         click.option("--weight-decay", default=_T.weight_decay, show_default=True),
-        click.option("--gradient-checkpointing", is_flag=True, help="Recompute each row in backward (less memory)"),
+        click.option("--gradient-checkpointing", is_flag=True, default=_T.gradient_checkpointing,
+                     help="Recompute each row in backward (less memory)"),
         click.option("--temperature", default=_T.temperature, show_default=True,
                      help="The policy's sampling temperature: the gateway's (polar_sampling) and the "
                           "trainer's; calls sampled otherwise are not trained"),
@@ -105,15 +102,11 @@ def trainer_options(f):
     return f
 
 
-def train_config(*, builder, lr, warmup_steps, epochs, groups_per_step, token_budget, normalization,
-                 scale_std, leave_one_out, clip_low, clip_high, tis_cap, kl_coef, max_grad_norm,
-                 weight_decay, gradient_checkpointing, temperature, seed) -> TrainConfig:
-    return TrainConfig(builder=builder, lr=lr, warmup_steps=warmup_steps, epochs=epochs,
-                       groups_per_step=groups_per_step, token_budget=token_budget, normalization=normalization,
-                       advantage=AdvantageConfig(scale_std=scale_std, leave_one_out=leave_one_out),
+def train_config(*, scale_std, leave_one_out, clip_low, clip_high, tis_cap, kl_coef, **options) -> TrainConfig:
+    """trainer_options' values as the config: the others are TrainConfig's own fields."""
+    return TrainConfig(advantage=AdvantageConfig(scale_std=scale_std, leave_one_out=leave_one_out),
                        loss=LossConfig(clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap, kl_coef=kl_coef),
-                       max_grad_norm=max_grad_norm, weight_decay=weight_decay,
-                       gradient_checkpointing=gradient_checkpointing, temperature=temperature, seed=seed)
+                       **options)
 
 
 @main.command()
@@ -172,7 +165,7 @@ def train(dbs, model, out, tasks, sessions, reward_covers, **options):
 @click.option("--model", default="", help="Also measure trainer-vs-vLLM logprob parity with this model")
 @click.option("--task", "tasks", multiple=True)
 @click.option("--session", "sessions", multiple=True)
-@click.option("--temperature", type=float, default=_T_DEFAULT, show_default=True,
+@click.option("--temperature", type=float, default=_T.temperature, show_default=True,
               help="The trainer's: calls vLLM sampled at another temperature are counted, not used")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--reward-covers", type=click.Choice(["all", "main"]), default=None,
@@ -180,7 +173,7 @@ def train(dbs, model, out, tasks, sessions, reward_covers, **options):
 def stats(dbs, model, tasks, sessions, temperature, as_json, reward_covers):
     """Compare the three builders on the recorded calls (and, with --model, logprob parity),
     after the calls each rule leaves out (the sampling rule's included)."""
-    from .grpo.trajectories import BUILDERS, build
+    from .grpo.trajectories import build
 
     calls, data = _load(dbs, tasks, sessions, require_reward=False, temperature=temperature,
                         reward_covers=reward_covers)

@@ -30,14 +30,14 @@ import time
 import torch
 
 from polar_mitm.grpo.advantages import group_advantages, token_weights
+from polar_mitm.grpo.config import BUILDERS
 from polar_mitm.grpo.policy import TokenLogprobs
 from polar_mitm.grpo.synthetic import Shape, group
 from polar_mitm.grpo.train import TrainConfig, prepare_step, run_step
-from polar_mitm.grpo.trajectories import BUILDERS, build
+from polar_mitm.grpo.trajectories import build
 
-ORDER = ("per_request", "prefix_merging", "trie")
+ORDER = BUILDERS[::-1]   # per_request first: the baseline the others are measured against
 SMALL_VOCAB = 2048
-assert set(ORDER) == set(BUILDERS)
 
 # Shaped like the audit's held-out recordings (harness-traffic: first requests of 5-78 KB,
 # i.e. 1-15k BPE tokens): a session is 2-3 calls, a task has several samples.

@@ -11,7 +11,7 @@ Slots busy = time-average of (sequences in flight / backend slots), from the fir
 the last. NVIDIA Polar's anchor: 20.4% naive -> 87.7% with its buffer. Target: >= 85%.
 
 Next to them, real CLIs (default pi and gemini) through the whole stack of `polar-mitm rollout`:
-the scripted stand-in for vLLM (tests/scripted_vllm.py: the CLI's own shell tool, then an
+the scripted stand-in for vLLM (tests/fake_vllm.py, scripted: the CLI's own shell tool, then an
 answer; each completion takes --cli-call-s, a generation), the proxy, a rollout server and a
 gateway node with --cli-workers RUN slots, each CLI's task --cli-sessions times. Its figures
 are the ones `rollout` prints: backend busy = the union of the intervals in which at least one
@@ -37,13 +37,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))      # the scripted stand-in for vLLM
 
-from polar_mitm import launch  # noqa: E402
+from polar_mitm import launch, session_ids  # noqa: E402
 from polar_mitm.rollout import GatewayNode, NodeConfig, RolloutServer, harnesses  # noqa: E402
 from polar_mitm.rollout.harnesses import Launch  # noqa: E402
 from polar_mitm.rollout.runtime import RunResult  # noqa: E402
 from polar_mitm.rollout_cli import RunFigures  # noqa: E402
-from polar_mitm.stack import start_node_stack, stop_stack  # noqa: E402
-from scripted_vllm import MARKER, ScriptedVLLM  # noqa: E402
+from polar_mitm.stack import Stack  # noqa: E402
+from fake_vllm import MARKER, FakeVLLM  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ class FakeRuntime:
         self.backend, self.plan = backend, plan
 
     def prepare(self, session_id, workspace) -> FakeSandbox:
-        d = self.plan[int(session_id.rsplit("~", 1)[1].split(".")[0])]
+        d = self.plan[session_ids.parse(session_id).sample]
         time.sleep(d.setup_s)
         return FakeSandbox(self.backend, d)
 
@@ -200,15 +200,13 @@ def real_cli(name: str, sessions: int, workers: int, call_s: float, timeout: int
     are RunFigures', the code behind rollout's progress line and summary."""
     harnesses.executable(name)      # installed (polar-mitm harness install NAME), or say so
     task = f"bench-{name}"
-    with ScriptedVLLM() as backend, tempfile.TemporaryDirectory() as tmp:
+    with FakeVLLM("scripted") as backend, tempfile.TemporaryDirectory() as tmp:
         backend.delay = call_s
         db = str(Path(tmp) / "bench.duckdb")
-        server = RolloutServer(db).start()
-        node, services = None, []
-        try:
-            proxy, node = start_node_stack(db=db, backend=backend.url, work=Path(tmp), proxy_port=launch.free_port(),
-                                           workers=workers, max_tokens=None, server_url=server.url)
-            services.append(proxy)
+        with Stack() as stack:
+            server = stack.start_server(db)
+            stack.start_node(db=db, backend=backend.url, work=Path(tmp), proxy_port=launch.free_port(),
+                             workers=workers, max_tokens=None, server_url=server.url)
             server.submit({"task_id": task, "harness": name, "num_samples": sessions, "timeout": timeout,
                            "instruction": "Run the shell command 'echo hi' and tell me what it printed.",
                            "evaluator": f"grep -q {MARKER} polar_proof.txt"})
@@ -216,8 +214,6 @@ def real_cli(name: str, sessions: int, workers: int, call_s: float, timeout: int
             server.wait([task], timeout=timeout * sessions)
             run.stop_clock()
             run.refresh(read_db=True)
-        finally:
-            stop_stack(node, server, services)
     sess = run.groups[task]["sessions"]
     rewards = [s["reward"] or 0.0 for s in sess]
     per, busy = run.per_session(), run.busy

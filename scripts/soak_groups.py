@@ -7,7 +7,7 @@ times in a row, then rerun to the end each time. After every trial:
 
     .venv/bin/python scripts/soak_groups.py [--kills 20] [--interrupts 20] [--seed 0]
 
-Stand-ins: the scripted model backend (tests/scripted_vllm.py) and the `command` harness
+Stand-ins: the scripted model backend (tests/fake_vllm.py, "scripted") and the `command` harness
 running tests/fake_harness.py (model calls through the proxy, then a random sleep), with an
 evaluator that scores the sample index. Exit status 0 when every trial held.
 """
@@ -28,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from polar_mitm import session_ids  # noqa: E402
 from polar_mitm.store import query  # noqa: E402
 
 POLAR = str(Path(sys.executable).parent / "polar-mitm")
@@ -71,7 +72,7 @@ def check(db: Path, trial: str) -> list[str]:
         problems.append(f"{len(rows)} samples in rollout_sessions, not {TASKS * SAMPLES}")
     for task, sample, state, reward, sid in rows:
         if state != "done" or reward != sample + 0.5:
-            problems.append(f"{task}~{sample}: lost for good ({sid} {state}, reward {reward})")
+            problems.append(f"{session_ids.make(task, sample)}: lost for good ({sid} {state}, reward {reward})")
     _, rows = query(db, "SELECT session_id, reward FROM sessions WHERE reward IS NOT NULL AND task_id LIKE ?",
                     [f"{trial}-%"])
     _, final = query(db, "SELECT arg_max(session_id, attempt) FROM rollout_sessions WHERE task_id LIKE ? "
@@ -83,7 +84,7 @@ def check(db: Path, trial: str) -> list[str]:
 
 
 def soak(kills: int, interrupts: int, seed: int = 0, work: Path | None = None, log=print) -> dict:
-    from scripted_vllm import ScriptedVLLM
+    from fake_vllm import FakeVLLM
 
     # the fake harness lives in tests/, which a session's sandbox does not see otherwise
     os.environ["POLAR_SANDBOX_EXPOSE"] = str(ROOT / "tests")
@@ -91,7 +92,7 @@ def soak(kills: int, interrupts: int, seed: int = 0, work: Path | None = None, l
     work = Path(work or tempfile.mkdtemp(prefix="polar-soak-"))
     db = work / "soak.duckdb"
     report = {"kills": 0, "interrupts": 0, "trials": 0, "problems": [], "released": 0, "lost": 0}
-    with ScriptedVLLM() as backend:
+    with FakeVLLM("scripted") as backend:
         trials = [("kill", i) for i in range(kills)] + [("sigint", i) for i in range(interrupts)]
         for kind, i in trials:
             trial = f"{kind}{i}"

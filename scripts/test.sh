@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The test command: install (idempotent), then the whole suite. The real vLLM server is
-# started once by the test session (minutes on CPU); set POLAR_TEST_BACKEND to reuse one.
+# The test command: install (idempotent), lint, type-check, then the whole suite in parallel
+# (pytest-xdist, $POLAR_TEST_WORKERS workers). The real vLLM server is started once, in the
+# background, as soon as the run knows a test needs it (tests/conftest.py); the tests that
+# need it run one after another in one worker. Set POLAR_TEST_BACKEND to reuse a server.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 .venv/bin/ruff check polar_mitm tests scripts polar_addon.py
 .venv/bin/python -m mypy   # the typed contracts between packages ([tool.mypy] in pyproject.toml)
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${POLAR_TEST_WORKERS:-3}" --dist loadgroup "$@"

@@ -1,8 +1,26 @@
+"""Fixtures and the test run's layout.
+
+The real vLLM server (tests that take the vllm_backend fixture, or carry the vllm marker) is
+one per run, shared: set POLAR_TEST_BACKEND to reuse a server someone started; otherwise the
+run's owner (pytest's own process, or pytest-xdist's controller) starts it in the background
+as soon as the collection shows a test that needs it (tests/shared_vllm.py), so its warm-up
+(minutes on CPU) overlaps the tests that do not need it. Nothing starts it ahead of the run.
+
+In parallel (scripts/test.sh runs `-n`, `--dist loadgroup`, forced here for any `-n` run),
+every test that needs vLLM is in one xdist group: they run one after another in one worker,
+as they would alone (two of them reload the server's weights and put the base ones back).
+Each worker picks ports from its own slice (launch.free_ports, $POLAR_PORT_SLICE), so two
+workers never hand the same free port to their services."""
+
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
+import shared_vllm
+from inprocess_proxy import InProcessProxy
 from polar_mitm import launch
 from polar_mitm.models import DEFAULT_MODEL_NAME, ensure_default_model
 from provider_server import ProviderServer
@@ -10,6 +28,71 @@ from provider_server import ProviderServer
 # Session sandboxes (bwrap) see the node's system and Python read-only, and of the rest only
 # what is exposed: the stand-in harnesses here (fake_harness.py) run inside them.
 os.environ.setdefault("POLAR_SANDBOX_EXPOSE", str(Path(__file__).parent))
+
+VLLM_GROUP = "vllm"
+_SHARED: shared_vllm.SharedVLLM | None = None     # the run owner's server, once started
+
+
+def _worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def _distributed(config) -> bool:
+    return getattr(config.option, "dist", "no") != "no" and bool(getattr(config.option, "tx", None))
+
+
+def needs_vllm(item) -> bool:
+    return "vllm_backend" in getattr(item, "fixturenames", ()) or item.get_closest_marker("vllm") is not None
+
+
+def pytest_configure(config):
+    global _SHARED
+    if _worker(config):
+        wid, count = config.workerinput["workerid"], config.workerinput["workercount"]
+        os.environ["POLAR_PORT_SLICE"] = f"{int(wid.removeprefix('gw'))}/{count + 1}"
+        return
+    if _distributed(config):
+        config.option.dist = "loadgroup"     # the vLLM tests stay together (see above)
+        os.environ["POLAR_PORT_SLICE"] = f"{len(config.option.tx)}/{len(config.option.tx) + 1}"
+    if not os.environ.get("POLAR_TEST_BACKEND") and not config.option.collectonly:
+        state = Path(tempfile.mkdtemp(prefix="polar-test-vllm-")) / "state.json"
+        os.environ[shared_vllm.STATE_ENV] = str(state)    # the workers inherit it
+        _SHARED = shared_vllm.SharedVLLM(state)
+
+
+@pytest.hookimpl(tryfirst=True)   # before xdist names the groups in the workers' node ids
+def pytest_collection_modifyitems(config, items):
+    vllm = [item for item in items if needs_vllm(item)]
+    for item in vllm:
+        item.add_marker(pytest.mark.vllm)
+        item.add_marker(pytest.mark.xdist_group(VLLM_GROUP))
+    if vllm and not _worker(config) and not _distributed(config):
+        # alone, the vLLM tests go last: the server warms up while the others run
+        others = [item for item in items if not needs_vllm(item)]
+        items[:] = others + vllm
+
+
+def pytest_collection_finish(session):
+    """Alone: start the server when a test that is left after deselection needs it."""
+    if _SHARED is not None and not _worker(session.config) and not _distributed(session.config) \
+            and any(needs_vllm(item) for item in session.items):
+        _SHARED.start()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """In the controller, before any test is handed out: start the server if a worker
+    collected a test of the vLLM group (xdist appends "@group" to those ids)."""
+    if _SHARED is not None and any("@" in i and VLLM_GROUP in i.rsplit("@", 1)[1].split("_") for i in ids):
+        _SHARED.start()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    if _SHARED is not None and not _worker(session.config):
+        _SHARED.stop()
+        if not (shared_vllm.read(_SHARED.state) or {}).get("error"):
+            shutil.rmtree(_SHARED.state.parent, ignore_errors=True)
 
 
 @pytest.fixture
@@ -20,11 +103,16 @@ def provider_server():
 
 @pytest.fixture(scope="session")
 def vllm_backend(tmp_path_factory):
-    """The real vLLM server on the default model, started once per test run (minutes on
-    CPU). .ci/run starts it ahead and passes POLAR_TEST_BACKEND to share it."""
+    """The real vLLM server on the default model, one per test run: $POLAR_TEST_BACKEND, or
+    the run's shared server (started in the background by the run's owner, see above)."""
     if os.environ.get("POLAR_TEST_BACKEND"):
         yield os.environ["POLAR_TEST_BACKEND"]
         return
+    state = os.environ.get(shared_vllm.STATE_ENV)
+    if state and shared_vllm.read(Path(state)) is not None:
+        yield shared_vllm.wait(Path(state))
+        return
+    # A test the collection did not show needing it (getfixturevalue): started here.
     model_dir = ensure_default_model()
     port = launch.free_port()
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
@@ -35,6 +123,8 @@ def vllm_backend(tmp_path_factory):
 
 
 class Proxy:
+    """A mitmdump process (launch.start_proxy), as the CLI starts it."""
+
     def __init__(self, root: Path, backend: str, extra_sets=None, db_name="calls.duckdb"):
         self.backend = backend
         self.db = root / db_name
@@ -45,6 +135,10 @@ class Proxy:
                                           confdir=self.confdir, log_path=self.log,
                                           reverse_port=self.reverse_port, extra_sets=extra_sets)
         self.ca = str(self.confdir / "mitmproxy-ca-cert.pem")
+
+    @property
+    def pid(self) -> int:
+        return self.service.proc.pid
 
     def proxy_url(self, user: str | None = None) -> str:
         return f"http://{user + ':x@' if user else ''}127.0.0.1:{self.port}"
@@ -57,15 +151,30 @@ class Proxy:
         self.service.stop()
 
 
-@pytest.fixture
-def start_proxy(tmp_path):
+def _starter(tmp_path, cls):
     started = []
 
     def start(backend: str, extra_sets=None, root: Path | None = None):
-        proxy = Proxy(root or tmp_path, backend, extra_sets)
+        proxy = cls(root or tmp_path, backend, extra_sets)
         started.append(proxy)
         return proxy
 
+    return start, started
+
+
+@pytest.fixture
+def start_proxy(tmp_path):
+    start, started = _starter(tmp_path, Proxy)
+    yield start
+    for p in started:
+        p.stop()
+
+
+@pytest.fixture
+def start_inprocess_proxy(tmp_path):
+    """start_proxy's gateway in this process (tests/inprocess_proxy.py): no mitmdump to
+    start, the same options, modes and log. Not for tests of the process itself."""
+    start, started = _starter(tmp_path, InProcessProxy)
     yield start
     for p in started:
         p.stop()

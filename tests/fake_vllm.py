@@ -1,22 +1,73 @@
-"""A stand-in for vLLM's chat endpoint, for the failure tests only (slow, 5xx, bad JSON).
-Everything that checks tokens runs against the real vLLM server.
+"""The stand-in for vLLM's HTTP API, for tests and scripts that do not need the real server
+(everything that checks real tokens runs against it: the vllm_backend fixture). One class,
+FakeVLLM, in a thread of the caller's process; its `mode` says how it answers
+/v1/chat/completions:
 
-Like vLLM (before it clamped), it refuses prompt tokens + max_tokens above max_model_len;
-a "token" here is 4 bytes of the messages' JSON, and /tokenize counts the same way."""
+  "ok"        "ok" (or "ok <weights>" after a reload), three prompt ids, two generated ids.
+              Like vLLM (before it clamped), it refuses prompt tokens + max_tokens above
+              max_model_len; a "token" here is 4 bytes of the messages' JSON, and /tokenize
+              counts the same way.
+  "500", "badjson", "odd", "context"
+              a broken backend: an engine error, JSON cut short, valid JSON that is no
+              completion, a context-length 400.
+  "scripted"  for the harness CLIs, whose prompts are longer than SmolLM2's context: the
+              first turn that offers tools gets a call of the harness's own shell tool
+              (picked from the advertised tools, arguments built from its schema), later
+              turns get text, and JSON-schema requests (Gemini's router, Claude's title) get
+              an object that fits the schema. Token ids are the bytes of the messages' JSON,
+              so turn N's prompt extends turn N-1's as a real tokenizer's would; answer() may
+              be overridden.
+
+Every mode has vLLM's other endpoints: GET /v1/models (with max_model_len), POST /tokenize,
+and the dev-mode ones a weight sync uses (/sleep, /wake_up, /is_sleeping, /collective_rpc
+reload_weights, /reset_prefix_cache, /update_weight_version; 404 with dev_mode=False). What
+it was asked is kept: bodies, tokenized, control, served, reloads. down() closes its port and
+up() opens the same one again (a backend that goes away and comes back)."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import orjson
 
+SHELL_TOOLS = ("Bash", "bash", "run_shell_command", "exec_command", "shell_command", "shell", "local_shell")
+MARKER = "polar-tool-ok"
+COMMAND = f"echo {MARKER} > polar_proof.txt && cat polar_proof.txt"
+MODES = ("ok", "500", "badjson", "odd", "context", "scripted")
+
+
+def _fit(schema: dict):
+    """A value that satisfies a (simple) JSON schema; upper-case Google types too."""
+    t = str(schema.get("type", "object")).lower()
+    if "enum" in schema:
+        return schema["enum"][0]
+    if t == "object":
+        props = schema.get("properties") or {}
+        return {k: _fit(v) for k, v in props.items()}
+    return {"string": "ok", "integer": 1, "number": 1, "boolean": True, "array": []}.get(t, "ok")
+
+
+def _args(schema: dict) -> dict:
+    props = (schema or {}).get("properties") or {}
+    out = {}
+    for name in (schema or {}).get("required") or []:
+        out[name] = _fit(props.get(name) or {})
+    key = "cmd" if "cmd" in props else "command"
+    out[key] = COMMAND
+    return out
+
 
 class FakeVLLM:
-    def __init__(self, mode: str = "ok", delay: float = 0.0, max_model_len: int = 4096,
+    def __init__(self, mode: str = "ok", delay: float = 0.0, max_model_len: int | None = None,
                  reload_delay: float = 0.0, dev_mode: bool = True):
-        self.mode, self.delay, self.max_model_len = mode, delay, max_model_len
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
+        self.mode, self.delay = mode, delay
+        self.max_model_len = max_model_len or (262144 if mode == "scripted" else 4096)
+        self.model = "scripted" if mode == "scripted" else "fake-model"
         self.bodies: list[dict] = []
         self.tokenized: list[dict] = []   # /tokenize bodies
         # weights as vLLM's dev-mode endpoints change them: the answer says which served it
@@ -28,6 +79,86 @@ class FakeVLLM:
         self.control: list[str] = []      # dev-mode calls, in order (path with query)
         self.sleeping: set[str] = set()   # what sleeps: "weights", "kv_cache"
         self.served_asleep = 0            # generation asked while asleep (must stay 0)
+        self._ids = itertools.count(1)
+        self._handler = self._make_handler()
+        self._httpd: ThreadingHTTPServer | None = None
+        self._serving = False
+        self._bind(0)
+        self.port = self._httpd.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    # ---- answers -------------------------------------------------------------------------
+
+    def prompt_tokens(self, messages) -> int:
+        """What /tokenize counts for these messages (and what max_model_len is checked on)."""
+        if self.mode == "scripted":
+            return len(self.prompt_ids(messages))
+        return len(orjson.dumps(messages)) // 4 + 3
+
+    @staticmethod
+    def prompt_ids(messages) -> list[int]:
+        """The scripted mode's prompt token ids: the bytes of the messages' JSON."""
+        return list(orjson.dumps(messages))
+
+    def answer(self, body: dict) -> dict:
+        """The scripted mode's completion for a request body."""
+        messages = body.get("messages") or []
+        tools = {t["function"]["name"]: t["function"] for t in body.get("tools") or []}
+        shell = next((n for n in SHELL_TOOLS if n in tools), None)
+        had_result = any(m.get("role") == "tool" for m in messages)
+        rf = body.get("response_format") or {}
+        msg: dict = {"role": "assistant", "content": None}
+        if rf.get("type") == "json_schema":
+            msg["content"] = orjson.dumps(_fit(rf["json_schema"].get("schema") or {})).decode()
+        elif shell and not had_result:
+            args = _args(tools[shell].get("parameters") or {})
+            msg["tool_calls"] = [{"id": f"call_{next(self._ids)}", "type": "function",
+                                  "function": {"name": shell, "arguments": orjson.dumps(args).decode()}}]
+        else:
+            msg["content"] = "Done: the command printed " + (MARKER if had_result else "nothing") + "."
+        text = msg["content"] or orjson.dumps(msg.get("tool_calls")).decode()
+        out_ids = list(text.encode())[:64] + [0]
+        prompt = self.prompt_ids(messages)
+        return {"id": f"chatcmpl-{next(self._ids)}", "object": "chat.completion", "created": 1,
+                "model": body.get("model", self.model), "prompt_token_ids": prompt,
+                "choices": [{"index": 0, "message": msg,
+                             "finish_reason": "tool_calls" if msg.get("tool_calls") else "stop",
+                             "token_ids": out_ids,
+                             "logprobs": {"content": [{"token": "x", "logprob": -0.1} for _ in out_ids]}}],
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(out_ids),
+                          "total_tokens": len(prompt) + len(out_ids)}}
+
+    def _completion(self, body: dict, weights) -> tuple[int, bytes]:
+        if self.mode == "scripted":
+            return 200, orjson.dumps(self.answer(body))
+        n, wanted = self.prompt_tokens(body["messages"]), body.get("max_tokens")
+        if self.mode == "ok" and wanted is not None and n + wanted > self.max_model_len:
+            return 400, orjson.dumps({"error": {
+                "message": f"'max_tokens' or 'max_completion_tokens' is too large: {wanted}. "
+                           f"This model's maximum context length is {self.max_model_len} tokens "
+                           f"and your request has {n} input tokens ({wanted} > "
+                           f"{self.max_model_len} - {n}).",
+                "type": "BadRequestError", "param": None, "code": 400}})
+        if self.mode == "500":
+            return 500, b'{"error":{"message":"engine crashed","type":"InternalServerError"}}'
+        if self.mode == "badjson":
+            return 200, b'{"choices": ['
+        if self.mode == "odd":  # valid JSON, not a completion
+            return 200, b'{"choices": [{"message": null}]}'
+        if self.mode == "context":
+            return 400, b'{"error":{"message":"This model\'s maximum context length is 8192 tokens","type":"BadRequestError"}}'
+        return 200, orjson.dumps({
+            "id": "chatcmpl-fake", "object": "chat.completion", "created": 1, "model": self.model,
+            "prompt_token_ids": [1, 2, 3],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok" if weights == "base" else f"ok {weights}"},
+                         "finish_reason": "stop", "token_ids": [7, 2],
+                         "logprobs": {"content": [{"token": "ok", "logprob": -0.5},
+                                                  {"token": "</s>", "logprob": -0.1}]}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
+
+    # ---- the server ----------------------------------------------------------------------
+
+    def _make_handler(self):
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -38,18 +169,21 @@ class FakeVLLM:
                 pass
 
             def _send(self, status, body: bytes):
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.send_response(status)
+                    self.send_header("content-type", "application/json")
+                    self.send_header("content-length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass   # the proxy gave up on this call (its harness timed out)
 
             def do_GET(self):
                 if self.path == "/is_sleeping":
                     self._send(200, orjson.dumps({"is_sleeping": bool(fake.sleeping)}))
                 elif self.path == "/v1/models":
                     self._send(200, orjson.dumps({"object": "list", "data": [
-                        {"id": "fake-model", "max_model_len": fake.max_model_len}]}))
+                        {"id": fake.model, "max_model_len": fake.max_model_len}]}))
                 else:
                     self._send(404, b'{"detail":"Not Found"}')
 
@@ -84,9 +218,10 @@ class FakeVLLM:
                     return self._send(200, b'{"results": [null]}')
                 if self.path == "/tokenize":
                     fake.tokenized.append(body)
-                    n = fake.prompt_tokens(body["messages"])
+                    n = fake.prompt_tokens(body.get("messages") or [])
+                    tokens = [] if fake.mode == "scripted" else list(range(n))
                     return self._send(200, orjson.dumps({"count": n, "max_model_len": fake.max_model_len,
-                                                         "tokens": list(range(n))}))
+                                                         "tokens": tokens}))
                 fake.bodies.append(body)
                 if fake.sleeping or fake.weights is None:
                     fake.served_asleep += 1
@@ -95,44 +230,33 @@ class FakeVLLM:
                 time.sleep(fake.delay)
                 with fake.lock:
                     fake.served.append((t0, time.monotonic(), weights, fake.weights))
-                n, wanted = fake.prompt_tokens(body["messages"]), body.get("max_tokens")
-                if fake.mode == "ok" and wanted is not None and n + wanted > fake.max_model_len:
-                    self._send(400, orjson.dumps({"error": {
-                        "message": f"'max_tokens' or 'max_completion_tokens' is too large: {wanted}. "
-                                   f"This model's maximum context length is {fake.max_model_len} tokens "
-                                   f"and your request has {n} input tokens ({wanted} > "
-                                   f"{fake.max_model_len} - {n}).",
-                        "type": "BadRequestError", "param": None, "code": 400}}))
-                elif fake.mode == "500":
-                    self._send(500, b'{"error":{"message":"engine crashed","type":"InternalServerError"}}')
-                elif fake.mode == "badjson":
-                    self._send(200, b'{"choices": [')
-                elif fake.mode == "odd":  # valid JSON, not a completion
-                    self._send(200, b'{"choices": [{"message": null}]}')
-                elif fake.mode == "context":
-                    self._send(400, b'{"error":{"message":"This model\'s maximum context length is 8192 tokens","type":"BadRequestError"}}')
-                else:
-                    self._send(200, orjson.dumps({
-                        "id": "chatcmpl-fake", "object": "chat.completion", "created": 1, "model": "fake-model",
-                        "prompt_token_ids": [1, 2, 3],
-                        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok" if weights == "base" else f"ok {weights}"},
-                                     "finish_reason": "stop", "token_ids": [7, 2],
-                                     "logprobs": {"content": [{"token": "ok", "logprob": -0.5},
-                                                              {"token": "</s>", "logprob": -0.1}]}}],
-                        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}))
+                self._send(*fake._completion(body, weights))
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        return Handler
+
+    def _bind(self, port: int) -> None:
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler)
         self._httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
 
-    @staticmethod
-    def prompt_tokens(messages) -> int:
-        return len(orjson.dumps(messages)) // 4 + 3
-
-    def __enter__(self):
-        threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
+    def up(self) -> "FakeVLLM":
+        """Serves (again, on the same port after down())."""
+        if self._httpd is None:
+            self._bind(self.port)
+        if not self._serving:
+            threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
+            self._serving = True
         return self
 
+    def down(self) -> None:
+        """Stops serving and closes the port: connections are refused until up()."""
+        if self._httpd is not None:
+            if self._serving:
+                self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd, self._serving = None, False
+
+    def __enter__(self):
+        return self.up()
+
     def __exit__(self, *exc):
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        self.down()

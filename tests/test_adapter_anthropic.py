@@ -9,7 +9,8 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from polar_mitm.adapters import AdapterError, UnsupportedContent, anthropic as adapter, detect
+from adapter_fuzz import BOUNDED_INTS, FINITE_FLOATS, check_total, json_paths, json_values, parent_of
+from polar_mitm.adapters import AdapterError, UnsupportedContent, adapter as adapter_of, anthropic as adapter, detect
 from polar_mitm.adapters.chat import parts_text, suffix_of
 from provider_server import ProviderServer, make_result
 
@@ -223,8 +224,9 @@ def test_errors():
     assert adapter.error(404, "no model")["error"]["type"] == "not_found_error"
     assert adapter.error(401, "key")["error"]["type"] == "authentication_error"
     assert adapter.error(429, "slow down")["error"]["type"] == "rate_limit_error"
-    assert adapter.status_for("overloaded") == adapter.OVERLOADED_STATUS == 529
-    assert adapter.status_for("context_too_long") == 400
+    # Anthropic clients retry 529 (overloaded); the other providers use 503.
+    assert adapter_of("anthropic").OVERLOADED_STATUS == adapter.OVERLOADED_STATUS == 529
+    assert {adapter_of(s).OVERLOADED_STATUS for s in ("openai_chat", "openai_responses", "google")} == {503}
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -422,11 +424,7 @@ def test_thinking_and_redacted_thinking_in_history():
 TEXT = st.text(max_size=30)
 IDS = st.text("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_", min_size=1, max_size=16)
 NAMES = st.from_regex(r"[A-Za-z][A-Za-z0-9_]{0,12}", fullmatch=True)
-JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**53, 2**53)
-    | st.floats(allow_nan=False, allow_infinity=False) | TEXT,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
-    max_leaves=8)
+JSON = json_values(ints=BOUNDED_INTS, floats=FINITE_FLOATS, text_size=30, key_size=30, max_leaves=8)
 INPUTS = st.dictionaries(TEXT, JSON, max_size=4)
 CACHE = st.sampled_from([{}, {"cache_control": {"type": "ephemeral"}}])
 
@@ -557,16 +555,6 @@ def test_from_chat_round_trips(text, calls, reasoning, thinking):
     assert assistant.get("reasoning") == (reasoning if thinking else None)
 
 
-def _paths(value, prefix=()):
-    yield prefix
-    if isinstance(value, dict):
-        for k, v in value.items():
-            yield from _paths(v, prefix + (k,))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            yield from _paths(v, prefix + (i,))
-
-
 @st.composite
 def mutated(draw):
     b = draw(conversations())
@@ -579,13 +567,11 @@ def mutated(draw):
     b = copy.deepcopy(b)  # the strategies share objects (BASH); mutate a private copy
     rnd = draw(st.randoms(use_true_random=False))  # uniform over paths, not biased to the first
     for _ in range(draw(st.integers(0, 3))):
-        paths = list(_paths(b))[1:]
+        paths = list(json_paths(b))[1:]
         if not paths:
             break
         path = rnd.choice(paths)
-        parent = b
-        for k in path[:-1]:
-            parent = parent[k]
+        parent = parent_of(b, path)
         if draw(st.booleans()):
             del parent[path[-1]]
         else:
@@ -595,25 +581,13 @@ def mutated(draw):
 
 
 def _check_total(b):
-    _translate(b)
+    answers = {"answer": make_result("ok"), "streamed": make_result("ok", [{"name": "Bash"}]),
+               "error_shape": lambda err, e: err["type"] == "error" and err["error"]["message"] == str(e)}
+    check_total(adapter, b, **answers)
     # Bodies arrive through orjson, which reads out-of-range integers as floats.
-    req = _translate(orjson.loads(json.dumps(b)))
+    req = check_total(adapter, orjson.loads(json.dumps(b)), **answers)
     if req is not None:
         orjson.dumps(req)  # the normalized request is stored as-is
-
-
-def _translate(b):
-    try:
-        req = adapter.to_chat(b)
-    except AdapterError as e:
-        assert 400 <= e.status < 500
-        err = adapter.error(e.status, str(e), e.kind)
-        assert err["type"] == "error" and err["error"]["message"] == str(e)
-        return None
-    assert isinstance(req, dict)
-    adapter.from_chat(make_result("ok"), req)
-    adapter.stream(make_result("ok", [{"name": "Bash"}]), req)
-    return req
 
 
 @settings(max_examples=250, suppress_health_check=[HealthCheck.too_slow])

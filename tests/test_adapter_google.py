@@ -13,6 +13,7 @@ from google.genai import errors, types
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from adapter_fuzz import BOUNDED_INTS, FINITE_FLOATS, check_total, json_paths, json_values as any_json, parent_of
 from polar_mitm.adapters import AdapterError, google, stream_content_type
 from polar_mitm.adapters.chat import parts_text
 from provider_server import make_result
@@ -363,10 +364,7 @@ def test_cli_code_assist_wrapped():
 
 names = st.sampled_from(["read_file", "ls", "grep", "edit"])
 texts = st.text(min_size=1, max_size=40)
-json_scalars = st.none() | st.booleans() | st.integers(-2**53, 2**53) | st.floats(
-    allow_nan=False, allow_infinity=False) | st.text(max_size=12)
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=3)
-                           | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=10)
+json_values = any_json(ints=BOUNDED_INTS, floats=FINITE_FLOATS, text_size=12, key_size=6, max_leaves=10)
 args_objects = st.dictionaries(st.text(max_size=8), json_values, max_size=4)
 
 
@@ -496,17 +494,7 @@ VALID = {"systemInstruction": {"parts": [{"text": "sys"}]},
                               "thinkingConfig": {"thinkingBudget": 10}}}
 
 
-def _paths(value, prefix=()):
-    yield prefix
-    if isinstance(value, dict):
-        for k, v in value.items():
-            yield from _paths(v, prefix + (k,))
-    elif isinstance(value, list):
-        for n, v in enumerate(value):
-            yield from _paths(v, prefix + (n,))
-
-
-ALL_PATHS = list(_paths(VALID))[1:]
+ALL_PATHS = list(json_paths(VALID))[1:]
 
 
 @st.composite
@@ -514,10 +502,8 @@ def mutated(draw):
     body = copy.deepcopy(VALID)
     for _ in range(draw(st.integers(1, 3))):
         path = draw(st.sampled_from(ALL_PATHS))
-        parent = body
         try:
-            for key in path[:-1]:
-                parent = parent[key]
+            parent = parent_of(body, path)
             if draw(st.booleans()) and isinstance(parent, dict):
                 parent.pop(path[-1], None)
             else:
@@ -528,16 +514,8 @@ def mutated(draw):
 
 
 def _check_total(body, path):
-    try:
-        req = google.to_chat(body, path)
-    except AdapterError as e:
-        err = google.error(e.status, str(e), e.kind)
-        assert isinstance(err, dict) and "error" in err
-        return
-    assert isinstance(req, dict)
-    result = make_result("ok", [{"name": "f", "arguments": "{}"}], reasoning="r")
-    assert isinstance(google.from_chat(result, req), dict)
-    assert b"".join(google.stream(result, req))
+    check_total(google, body, path, answer=make_result("ok", [{"name": "f", "arguments": "{}"}], reasoning="r"),
+                error_shape=lambda err, e: "error" in err)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -9,8 +9,8 @@ import orjson
 
 from polar_mitm.store import CallWriter, query
 from polar_mitm.store.db import migrate
-from polar_mitm.store.delta import (DeltaCache, apply_ids, apply_text, common_prefix,
-                                    common_suffix, text_delta)
+from delta_oracles import apply_text, common_suffix, text_delta
+from polar_mitm.store.delta import DeltaCache, apply_ids, common_prefix
 from polar_mitm.store.schema import MIGRATIONS
 from polar_mitm.store.training import training_calls
 
@@ -109,7 +109,7 @@ def test_the_calls_view_and_the_trainer_rebuild_every_call_exactly(tmp_path):
     for s in range(3):
         set_reward(db, f"t~{s}", 1.0)
     data = training_calls([db])
-    by_id = {(c["session_id"], c["seq"]): c["prompt_token_ids"] for c in data.calls}
+    by_id = {(c.session_id, c.seq): c.prompt for c in data.calls}
     seqs = dict(((r[0], r[1]), r[2]) for r in query(db, "SELECT session_id, seq, prompt_token_ids FROM calls")[1])
     assert by_id and all(by_id[k] == seqs[k] for k in by_id)
     assert data.skipped["failed"] == 3 and not data.skipped["missing_base"]
@@ -140,7 +140,8 @@ def test_old_rows_migrate_whole(tmp_path):
 def test_id_deltas_on_json_text_are_exact():
     """Prompt ids travel as JSON text (no Python int per id); the shared prefix is counted
     on that text, token boundaries included."""
-    from polar_mitm.store.delta import DeltaCache as Cache, shared_ids
+    from delta_oracles import shared_ids
+    from polar_mitm.store.delta import DeltaCache as Cache
     rng = random.Random(1)
     for _ in range(3000):
         base = [rng.randrange(0, 200) for _ in range(rng.randint(0, 30))]

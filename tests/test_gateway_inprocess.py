@@ -15,6 +15,20 @@ def run(coro):
     return asyncio.run(coro)
 
 
+async def through(gw, flow):
+    """The request hook of every addon, in the order mitmproxy runs them."""
+    for a in gw.addons:
+        if hasattr(a, "request"):
+            res = a.request(flow)
+            if asyncio.iscoroutine(res):
+                await res
+
+
+async def running(tctx):
+    """mitmproxy's running hook, as the proxy starts: the writer opens, the relay listens."""
+    await tctx.master.addons.trigger_event(hooks.RunningHook())
+
+
 def test_options_changed_with_set_take_effect(tmp_path):
     async def main():
         gw = PolarGateway()
@@ -44,6 +58,7 @@ def test_invalid_options_are_refused_and_passthrough_stays_off(tmp_path):
                     tctx.configure(gw, **bad)
             tctx.configure(gw, ignore_hosts=[".*"], tcp_hosts=[".*"], udp_hosts=[".*"])
             assert tctx.options.ignore_hosts == tctx.options.tcp_hosts == tctx.options.udp_hosts == []
+            assert gw.recorder.writer is None   # loading and configuring open no database
     run(main())
 
 
@@ -66,8 +81,7 @@ def test_local_answers_and_health(tmp_path):
             tctx.configure(gw, polar_db=str(tmp_path / "a.duckdb"))
             health = tflow.tflow()
             health.request.method, health.request.path = "GET", "/_polar/health"
-            await gw.model_calls.request(health)
-            await gw.local.request(health)
+            await through(gw, health)
             assert health.response.status_code == 200 and b'"polar":"ok"' in health.response.content
             telemetry = tflow.tflow()
             telemetry.request.method, telemetry.request.path = "POST", "/api/event_logging/batch"
@@ -79,15 +93,6 @@ def test_local_answers_and_health(tmp_path):
     run(main())
 
 
-async def through(gw, flow):
-    """The request hook of every addon, in the order mitmproxy runs them."""
-    for a in gw.addons:
-        if hasattr(a, "request"):
-            res = a.request(flow)
-            if asyncio.iscoroutine(res):
-                await res
-
-
 def test_a_model_call_in_process_is_answered_recorded_and_attributed(tmp_path):
     from fake_vllm import FakeVLLM
     from polar_mitm.store import query
@@ -96,7 +101,7 @@ def test_a_model_call_in_process_is_answered_recorded_and_attributed(tmp_path):
         gw = PolarGateway()
         with FakeVLLM() as fake, taddons.context(gw) as tctx:
             tctx.configure(gw, polar_db=str(tmp_path / "a.duckdb"), polar_backend=fake.url)
-            await gw.model_calls.running()
+            await running(tctx)
             connect = tflow.tflow()
             connect.request.headers["proxy-authorization"] = "Basic " + __import__("base64").b64encode(
                 b"fixbug~3:x").decode()
@@ -110,7 +115,7 @@ def test_a_model_call_in_process_is_answered_recorded_and_attributed(tmp_path):
             assert f.response.status_code == 200
             assert f.response.json()["choices"][0]["message"]["content"] == "ok"
             assert "s3cret" not in f.request.path                     # redacted for mitmdump's log
-            writer = gw.model_calls.writer
+            writer = gw.recorder.writer
             writer.load_interval = 0.0    # a part-filled row group loads at once, not after a minute
             deadline = time.monotonic() + 10
             while writer.loads == 0 and time.monotonic() < deadline:   # the loader's next pass
@@ -172,7 +177,7 @@ def test_what_orjson_cannot_write_is_a_400_and_a_deep_part_never_forwarded_is_fi
         gw = PolarGateway()
         with FakeVLLM() as fake, taddons.context(gw) as tctx:
             tctx.configure(gw, polar_db=str(tmp_path / "a.duckdb"), polar_backend=fake.url)
-            await gw.model_calls.running()
+            await running(tctx)
             out = {}
             for name, body in bodies.items():
                 f = tflow.tflow()

@@ -39,3 +39,22 @@ def test_a_cli_on_path_is_not_taken_for_the_pinned_one(tmp_path, monkeypatch):
     monkeypatch.setenv("POLAR_HARNESS_DIR", str(tmp_path / "empty"))
     with pytest.raises(harnesses.HarnessMissing, match="is not used: not the pinned 0.73.1"):
         harnesses.executable("pi")
+
+
+def test_the_registry_is_what_tasks_and_the_cli_accept():
+    """One entry per harness: the task spec, the HTTP API and `polar-mitm rollout --harness`
+    take its names; each CLI has its lockfile folder and speaks an API style the gateway has."""
+    from polar_mitm.adapters import STYLES
+    from polar_mitm.rollout.http_api import TaskIn
+    from polar_mitm.rollout.spec import HARNESSES
+
+    assert HARNESSES == tuple(harnesses.HARNESSES)
+    assert set(TaskIn.model_fields["harness"].annotation.__args__) == set(harnesses.HARNESSES)
+    for name, h in harnesses.HARNESSES.items():
+        assert h.name == name
+        if h.package:
+            assert (h.lock_dir / "package.json").is_file() and harnesses.PACKAGES[name] == h.package
+            assert h.api_style in STYLES
+        else:
+            assert h.lock_dir is None and name not in harnesses.PACKAGES
+    assert sorted(p.name for p in harnesses.LOCKS.iterdir() if p.is_dir()) == sorted(harnesses.PACKAGES)

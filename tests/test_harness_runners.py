@@ -13,14 +13,14 @@ from polar_mitm.rollout import harnesses
 from polar_mitm.rollout.runtime import LocalRuntime, unshare_argv
 from polar_mitm.store import query
 from procs import until
-from scripted_vllm import MARKER, ScriptedVLLM
+from fake_vllm import MARKER, FakeVLLM
 
-CLIS = ["pi", "claude", "codex", "gemini", "qwen"]
+CLIS = list(harnesses.PACKAGES)       # every harness of the registry that is a CLI
 
 
 @pytest.fixture(scope="module")
 def scripted():
-    with ScriptedVLLM() as backend:
+    with FakeVLLM("scripted") as backend:
         yield backend
 
 

@@ -91,7 +91,7 @@ def test_the_loop_resumes_after_kill_9_in_every_phase(tmp_path):
         assert sid.split("@")[1].startswith(f"{run_id}.") and version == sid.split(".")[1].split("~")[0], (sid, version)
     data = training_calls([db])
     per_group = Counter()
-    for sid in {c["session_id"] for c in data.calls}:
+    for sid in {c.session_id for c in data.calls}:
         per_group[sid.rsplit("~", 1)[0]] += 1
     assert per_group and all(n <= 2 for n in per_group.values()), per_group   # never more than samples
     _, rows = query(db, "SELECT iteration, policy_version FROM loop_iterations ORDER BY 1")

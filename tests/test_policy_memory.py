@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from polar_mitm.grpo.policy import ForestRunner
-from polar_mitm.grpo.rollouts import Call
 from polar_mitm.grpo.train import TrainConfig, prepare_step
+from polar_mitm.trainer_input import Call
 from test_grpo import make_calls, rel, step_loss_and_grads, tiny_lm
 
 ROOT = Path(__file__).resolve().parents[1]

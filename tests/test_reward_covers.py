@@ -38,7 +38,7 @@ def test_the_main_loop_is_the_model_a_session_calls_most(tmp_path):
     assert len(every.calls) == 8 and every.call_kinds == {"main": 6, "auxiliary": 2}
     main = training_calls([db], reward_covers="main")
     assert len(main.calls) == 6 and main.skipped["auxiliary_call"] == 2
-    assert {c["prompt_token_ids"][-1] for c in main.calls} == {10, 11, 12}
+    assert {c.prompt[-1] for c in main.calls} == {10, 11, 12}
     assert len(training_calls([db], reward_covers={"gem": "main"}).calls) == 6
     assert len(training_calls([db], reward_covers={"other": "main"}).calls) == 8
 

@@ -71,5 +71,5 @@ def test_pi_task_file_end_to_end_on_real_vllm(vllm_backend, tmp_path):
                for g in groups.values() for s in g["sessions"])
     # and the trainer reads them as two GRPO groups of four
     data = training_calls([db], tasks=["colors", "greet"])
-    assert {c["task_id"] for c in data.calls} == {"colors", "greet"}
-    assert {c["session_id"] for c in data.calls} == set(sids)
+    assert {c.group for c in data.calls} == {"colors", "greet"}
+    assert {c.session_id for c in data.calls} == set(sids)

@@ -23,7 +23,7 @@ from polar_mitm.rollout.runtime import LocalRuntime
 from polar_mitm.rollout.spec import parse_reward
 from polar_mitm.store import query
 from procs import alive as _alive, token as _token, until as _until
-from scripted_vllm import ScriptedVLLM
+from fake_vllm import FakeVLLM
 
 HERE = Path(__file__).parent
 FAKE = f"{sys.executable} {HERE / 'fake_harness.py'}"
@@ -64,7 +64,7 @@ class Callbacks:
 @pytest.fixture
 def stack(start_proxy, tmp_path):
     """A proxy over the scripted backend, a rollout server on its database and one node."""
-    with ScriptedVLLM() as backend:
+    with FakeVLLM("scripted") as backend:
         proxy = start_proxy(backend.url)
         server = RolloutServer(str(proxy.db), callback_backoff=0.05).start()
         node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=proxy.port, ca_path=proxy.ca,
@@ -432,12 +432,12 @@ def test_heartbeats_look_only_through_unfinished_sessions(tmp_path):
                            "num_samples": 4})
         got = server.heartbeat({"node_id": "n", "load": {"free": 1000}, "active": [], "events": []})
         ids = [a["session_id"] for a in got["assign"]]
-        assert len(ids) == 120 and len(server._live()) == 120
+        assert len(ids) == 120 and len(server.scheduler.live()) == 120
         done = [{"session_id": sid, "state": "done", "reward": 1.0} for sid in ids[:-1]]
         server.heartbeat({"node_id": "n", "load": {"free": 0}, "active": ids[-1:], "events": done})
         server.heartbeat({"node_id": "n", "load": {"free": 0}, "active": [], "events": [
             {"session_id": ids[-1], "state": "run"}]})
-        assert [s.session_id for s in server._live()] == [ids[-1]] and len(server._open) == 1
+        assert [s.session_id for s in server.scheduler.live()] == [ids[-1]] and len(server.scheduler.open) == 1
         assert len(server.sessions) == 120 and server.status()["sessions"] == {"run": 1, "done": 119}
         assert server.task_status("t29")["sessions"][3]["state"] == "run"
     finally:
@@ -472,18 +472,19 @@ def test_a_reward_is_stored_only_once_the_server_settles_the_outcome(tmp_path):
     sample's (durably). An outcome the server does not take (it moved on: the session was
     retried under a new name) leaves no reward, so a group never holds more rewarded
     sessions than samples, even in the database the node writes."""
+    from polar_mitm.rollout.scheduler import Scheduler
     from polar_mitm.store import init_db
 
     db = str(tmp_path / "r.duckdb")
     init_db(db)
 
-    class MovedOn(RolloutServer):
+    class MovedOn(Scheduler):
         def _apply(self, node_id, ev):
             if ev.get("session_id") == "r~0" and ev.get("state") == "done":
                 return False   # as after a restart that had already given r~0 up
             return super()._apply(node_id, ev)
 
-    server = MovedOn(db).start()
+    server = RolloutServer(db, scheduler=MovedOn()).start()
     node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=1, ca_path="", db=db, heartbeat_s=0.1),
                        runtime=LocalRuntime(tmp_path / "s")).start()
     try:

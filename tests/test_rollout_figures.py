@@ -21,18 +21,18 @@ from polar_mitm.rollout.runtime import LocalRuntime
 from polar_mitm.rollout_cli import RunFigures, reward_figures
 from polar_mitm.store import connect, init_db
 from polar_mitm.store.figures import backend_busy, run_figures, session_calls
-from scripted_vllm import ScriptedVLLM
+from fake_vllm import FakeVLLM
 
 HERE = Path(__file__).parent
 FAKE = f"{sys.executable} {HERE / 'fake_harness.py'}"
 POLAR = str(Path(sys.executable).parent / "polar-mitm")
 
 
-class TimedVLLM(ScriptedVLLM):
+class TimedVLLM(FakeVLLM):
     """The scripted backend, noting when each completion was being generated (unix seconds)."""
 
     def __init__(self, delay: float):
-        super().__init__()
+        super().__init__("scripted")
         self.delay = delay
         self.intervals: list[tuple[float, float]] = []
         self._lock = threading.Lock()

@@ -16,7 +16,7 @@ from polar_mitm.rollout import RolloutServer
 from polar_mitm.rollout.http_api import TaskIn
 from polar_mitm.rollout.spec import TaskRequest
 from polar_mitm.rollout.states import ORDER, TERMINAL, Session
-from polar_mitm.store import rollouts as store
+from polar_mitm.store import rollout_journal as store
 
 
 def _task(tid: str = "t", **kw) -> dict:

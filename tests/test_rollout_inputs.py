@@ -28,7 +28,7 @@ from polar_mitm.rollout.spec import TaskChanged, TaskExists
 from polar_mitm.stack import read_tasks
 from polar_mitm.store import query
 from procs import until
-from scripted_vllm import ScriptedVLLM
+from fake_vllm import FakeVLLM
 
 HERE = Path(__file__).parent
 FAKE = f"{sys.executable} {HERE / 'fake_harness.py'}"
@@ -177,40 +177,40 @@ def test_a_released_attempt_never_counts_as_a_failed_one(tmp_path):
     assert s["reason"].startswith("node gone2 lost: no heartbeat for ") and s["reason"].endswith("; 3 failed attempts")
 
 
+def test_a_cancel_goes_on_after_a_restart_with_its_reason(tmp_path):
+    """A task cancelled while its sessions run on a node: the server restarts before the node
+    reports them stopped. The restarted server still tells the node to cancel them, and the
+    task ends cancelled, for the reason given."""
+    db = str(tmp_path / "r.duckdb")
+    beat = {"node_id": "n", "load": {"free": 0}, "events": []}
+    server = RolloutServer(db).start()
+    try:
+        server.submit(_task("t", num_samples=2))
+        server.heartbeat({**beat, "load": {"free": 2}, "active": []})
+        server.heartbeat({**beat, "active": ["t~0", "t~1"], "events": [{"session_id": "t~0", "state": "run"}]})
+        assert server.cancel("t", "the run was stopped")
+    finally:
+        server.stop()
+    server = RolloutServer(db).start()
+    try:
+        assert server.tasks["t"].cancel_reason == "the run was stopped"
+        got = server.heartbeat({**beat, "active": ["t~0", "t~1"]})
+        assert sorted(got["cancel"]) == ["t~0", "t~1"]
+        server.heartbeat({**beat, "active": [], "events": [
+            {"session_id": "t~0", "state": "cancelled", "reason": "cancelled"},
+            {"session_id": "t~1", "state": "cancelled", "reason": "cancelled"}]})
+        assert server.wait(["t"], timeout=10)
+        assert server.task_status("t")["state"] == "cancelled"
+    finally:
+        server.stop()
+    _, rows = query(db, "SELECT state, detail FROM rollout_events WHERE task_id = 't' AND session_id IS NULL "
+                        "ORDER BY event_at")
+    assert rows == [("stopping", "the run was stopped"), ("cancelled", "the run was stopped")]
+
+
 # -- the backend -------------------------------------------------------------------------------
-class Backend:
-    """A model backend that can be taken down (its port closed) and brought back."""
-
-    def __init__(self):
-        self.port = launch.free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.httpd = None
-        self.up()
-
-    def up(self):
-        class H(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_GET(self):
-                body = b'{"data": [{"id": "m"}]}' if self.path == "/v1/models" else b"{}"
-                self.send_response(200 if self.path == "/v1/models" else 404)
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", self.port), H)
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def down(self):
-        if self.httpd:
-            self.httpd.shutdown()
-            self.httpd.server_close()
-            self.httpd = None
-
-
 def test_a_node_pauses_while_its_backend_is_down(tmp_path):
-    backend = Backend()
+    backend = FakeVLLM().up()      # taken down (its port closed) and brought back below
     backend.down()
     server = RolloutServer(str(tmp_path / "r.duckdb")).start()
     node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=1, ca_path="", heartbeat_s=0.1, init_workers=1,
@@ -374,7 +374,7 @@ def test_rollout_exit_codes_and_interrupts_that_spend_no_attempts(tmp_path):
     task = _task("stop", workspace=str(ws), evaluator="test -f result.txt",
                  command=f"if test -f GO; then {FAKE} ok 1; else {FAKE} slow:120 1; fi")
     tasks.write_text(json.dumps(task) + "\n")
-    with ScriptedVLLM() as backend:
+    with FakeVLLM("scripted") as backend:
         for sig, code in [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGINT, 130)]:
             r = Rollout(tasks, "--db", db, "--backend", backend.url)
             try:
@@ -409,3 +409,32 @@ def test_rollout_exit_codes_and_interrupts_that_spend_no_attempts(tmp_path):
         out = _run(tasks, "--db", db, "--backend", backend.url)
         assert out.returncode == 3, out.stdout + out.stderr
         assert "1 session(s) failed" in out.stderr and "exited with code 3" in out.stdout
+
+
+def test_the_rollout_server_and_a_node_exit_130_and_143_after_a_signal(tmp_path):
+    """Like `rollout`: SIGINT is 130, SIGTERM 143 (a supervisor tells a stop from a crash)."""
+    backend = FakeVLLM().up()
+    try:
+        for sig, code in [(signal.SIGINT, 130), (signal.SIGTERM, 143)]:
+            port = launch.free_port()
+            server = subprocess.Popen([POLAR, "rollout-server", "--db", str(tmp_path / "r.duckdb"),
+                                       "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True)
+            node = None
+            try:
+                launch.wait_port(port, None, timeout=60)
+                node = subprocess.Popen([POLAR, "node", "--server", f"http://127.0.0.1:{port}", "--backend",
+                                         backend.url, "--db", str(tmp_path / f"node-{code}.duckdb"), "--workers", "1"],
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                assert until(lambda: httpx.get(f"http://127.0.0.1:{port}/status").json()["nodes"]
+                             or node.poll() is not None, 60)
+                node.send_signal(sig)
+                assert node.wait(60) == code, node.stdout.read()
+                server.send_signal(sig)
+                assert server.wait(60) == code, server.stdout.read()
+            finally:
+                for p in (node, server):
+                    if p is not None and p.poll() is None:
+                        p.kill()
+    finally:
+        backend.down()

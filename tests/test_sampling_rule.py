@@ -169,7 +169,7 @@ def test_the_gateway_samples_the_policy_and_the_trainer_skips_structured_output(
         # (c) the trainer's reader leaves out the structured-output calls, and counts them
         data = training_calls([proxy.db], require_reward=False)
         assert dict(data.skipped) == {"structured_output": 2}
-        assert sorted(c["session_id"] for c in data.calls) == ["gem~0", "oa~0", "oa~0"]
+        assert sorted(c.session_id for c in data.calls) == ["gem~0", "oa~0", "oa~0"]
         at = training_calls([proxy.db], require_reward=False, temperature=0.7)
         assert dict(at.skipped) == {"structured_output": 2, "temperature_mismatch": 3} and not at.calls
         # (d) polar-train stats says so, rule by rule
@@ -207,7 +207,7 @@ def test_harness_sampling_passed_through_is_recorded_and_not_trained(start_proxy
         assert [p["harness"] for _, p in recorded(proxy.db)] == ASKED
         data = training_calls([proxy.db], require_reward=False)
         assert dict(data.skipped) == {"structured_output": 2, "truncated_sampling": 2}
-        assert [c["session_id"] for c in data.calls] == ["oa~0"]   # the call that asked nothing
+        assert [c.session_id for c in data.calls] == ["oa~0"]   # the call that asked nothing
         out = cli("stats", "--db", proxy.db)
         assert "structured_output 2, forced_tool_choice 0, truncated_sampling 2" in out
 
@@ -250,17 +250,17 @@ def test_rewards_in_another_file_count(tmp_path):
     data = training_calls([a, b])
     assert not data.skipped and data.sessions_without_reward == 0
     assert len(data.calls) == len(mine) + len(theirs)
-    assert {c["reward"] for c in data.calls if c["session_id"].startswith("t")} == {1.0}
-    assert {c["reward"] for c in data.calls if c["session_id"].startswith("u")} == {0.25}
-    assert {c["db"] for c in data.calls if c["session_id"].startswith("t")} == {str(a)}
+    assert {c.reward for c in data.calls if c.session_id.startswith("t")} == {1.0}
+    assert {c.reward for c in data.calls if c.session_id.startswith("u")} == {0.25}
+    assert {c.db for c in data.calls if c.session_id.startswith("t")} == {str(a)}
     # the calls' own file first, then the files in the order given
     set_reward(a, "t0~0", 0.5)
     c = tmp_path / "c.duckdb"
     write_calls(c, [])
     set_rewards(c, [{"session_id": "t0~1", "reward": 0.0}])
-    rewards = {r["session_id"]: r["reward"] for r in training_calls([a, c, b], tasks=["t0"]).calls}
+    rewards = {r.session_id: r.reward for r in training_calls([a, c, b], tasks=["t0"]).calls}
     assert (rewards["t0~0"], rewards["t0~1"], rewards["t0~2"]) == (0.5, 0.0, 1.0)
-    rewards = {r["session_id"]: r["reward"] for r in training_calls([a, b, c], tasks=["t0"]).calls}
+    rewards = {r.session_id: r.reward for r in training_calls([a, b, c], tasks=["t0"]).calls}
     assert (rewards["t0~0"], rewards["t0~1"], rewards["t0~2"]) == (0.5, 1.0, 1.0)
 
 

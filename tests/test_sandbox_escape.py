@@ -28,7 +28,7 @@ from polar_mitm.rollout import runtime as rt
 from polar_mitm.rollout.runtime import LocalRuntime
 from polar_mitm.rollout.spec import Workspace
 from procs import alive, token, until
-from scripted_vllm import ScriptedVLLM
+from fake_vllm import FakeVLLM
 
 HERE = Path(__file__).parent
 FAKE = f"{sys.executable} {HERE / 'fake_harness.py'}"
@@ -102,7 +102,7 @@ def test_a_session_and_its_evaluator_cannot_get_out_of_the_sandbox(start_proxy, 
     ws.mkdir()
     shutil.copy(HERE / "escape_probe.py", ws / "probe.py")
     sessions = tmp_path / "sessions"
-    with ScriptedVLLM() as backend:
+    with FakeVLLM("scripted") as backend:
         proxy = start_proxy(backend.url)
         runtime = LocalRuntime(sessions, keep=True, sandbox="bwrap", expose=[HERE])
         sibling = sessions / "sibling~0-decoy"       # a session directory the way the node makes them

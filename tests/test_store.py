@@ -9,7 +9,8 @@ import time
 import duckdb
 import pytest
 
-from polar_mitm.store import CallWriter, StoreBusy, connect, export_parquet, init_db, log_dir, query, set_reward
+from polar_mitm.store import (CallRecord, CallWriter, SessionInfo, StoreBusy, connect, export_parquet, init_db,
+                              log_dir, query, set_reward)
 from polar_mitm.store.calllog import segment_ids, segment_path
 from polar_mitm.store import writer as writer_module
 from polar_mitm.store.loader import TAIL, LoaderConfig
@@ -17,13 +18,25 @@ from polar_mitm.store.db import readers_dir, readers_waiting
 from polar_mitm.store.db import schema_version
 from polar_mitm.store.schema import MIGRATIONS
 
-SESSION = {"session_id": "task-a~1", "task_id": "task-a", "source": "api_key"}
+SESSION = SessionInfo("task-a~1", task_id="task-a", source="api_key")
 
 
 def record(i, **kw):
-    return {"call_id": f"c{i}", "style": "openai_chat", "prompt_token_ids": [1, 2, 3],
-            "token_ids": [4, 5], "logprobs": [-0.5, -0.25], "request_text": f'{{"i":{i}}}',
-            "started_at": time.time(), "dropped": ["store"], "status_code": 200} | kw
+    return CallRecord(**{"call_id": f"c{i}", "style": "openai_chat", "prompt_token_ids": [1, 2, 3],
+                         "token_ids": [4, 5], "logprobs": [-0.5, -0.25], "request_text": f'{{"i":{i}}}',
+                         "started_at": time.time(), "dropped": ["store"], "status_code": 200} | kw)
+
+
+def test_the_typed_records_are_the_line_format():
+    """Every field of a CallRecord is a column of the log line, or one stored_row turns into
+    its delta columns; a SessionInfo's columns are the line's "s", in its order."""
+    from polar_mitm.store.lines import LINE_COLUMNS, SESSION_COLUMNS
+    from polar_mitm.store.records import CALL_FIELDS
+    assert set(CALL_FIELDS) - set(LINE_COLUMNS) == {"request_text", "prompt_token_ids"}
+    assert tuple(SessionInfo("s").columns()) == SESSION_COLUMNS
+    assert CallRecord.of({"call_id": "c", "token_ids": [1]}) == CallRecord("c", token_ids=[1])
+    with pytest.raises(TypeError):
+        CallRecord.of({"call_id": "c", "_t0": 1.0})   # the start time is submit's t0, not a column
 
 
 def test_migrations_are_versioned_and_idempotent(tmp_path):
@@ -69,7 +82,7 @@ def test_call_records_become_a_view_of_whole_row_groups_and_a_tail(tmp_path):
     db = tmp_path / "a.duckdb"
     _one_call_at_version(db, 5)
     w = CallWriter(db).start()
-    assert w.submit({"session_id": "s"}, record(1)).result(10) == 2
+    assert w.submit(SessionInfo("s"), record(1)).result(10) == 2
     w.close()
     assert query(db, "SELECT call_id, seq FROM call_records ORDER BY seq")[1] == [("c0", 1), ("c1", 2)]
     assert query(db, "SELECT table_type FROM information_schema.tables WHERE table_name = 'call_records'")[1] \
@@ -109,7 +122,7 @@ def test_calls_load_in_whole_row_groups_written_straight_to_the_file(tmp_path):
     rows = writer_module.ROW_GROUP_ROWS
 
     def submit(n, start):
-        futs = [w.submit({"session_id": f"s~{i % 7}", "task_id": "s"}, record(start + i)) for i in range(n)]
+        futs = [w.submit(SessionInfo(f"s~{i % 7}", task_id="s"), record(start + i)) for i in range(n)]
         return [f.result(30) for f in futs]
 
     def settled(pending):
@@ -158,7 +171,7 @@ def test_group_commit_assigns_sequence_numbers(tmp_path):
     futures = [w.submit(SESSION, record(i)) for i in range(50)]
     assert [f.result(10) for f in futures] == list(range(1, 51))
     assert w.batches < 50  # records waiting during an fsync share the next one
-    w.submit({"session_id": "other"}, record(99, error="boom", error_kind="backend_error", status_code=502)).result(10)
+    w.submit(SessionInfo("other"), record(99, error="boom", error_kind="backend_error", status_code=502)).result(10)
     w.close()
     assert query(db, "SELECT count(*), max(seq) FROM calls WHERE session_id = 'task-a~1'")[1] == [(50, 50)]
     turns = query(db, "SELECT prompt_len, completion_len FROM session_turns LIMIT 1")[1]
@@ -172,7 +185,7 @@ def test_rewards_and_task_groups(tmp_path):
     db = tmp_path / "a.duckdb"
     w = CallWriter(db).start()
     for i, sid in enumerate(["t~1", "t~2", "u~1"]):
-        w.submit({"session_id": sid, "task_id": sid.split("~")[0]}, record(i)).result(10)
+        w.submit(SessionInfo(sid, task_id=sid.split("~")[0]), record(i)).result(10)
     w.close()
     set_reward(db, "t~1", 1.0)
     set_reward(db, "t~2", 0.0, info={"tests": "failed"})
@@ -240,7 +253,7 @@ def test_a_deeply_nested_body_fails_nothing_else(tmp_path):
     deep = {"a": 1}
     for _ in range(300):
         deep = {"x": [deep]}
-    futures = [w.submit({"session_id": f"s{i}"}, record(i, response_json=deep if i == 3 else {"i": i}))
+    futures = [w.submit(SessionInfo(f"s{i}"), record(i, response_json=deep if i == 3 else {"i": i}))
                for i in range(8)]
     assert [f.result(10) for f in futures] == [1] * 8
     assert w.submit(SESSION, record(99)).result(10) == 1      # the writer is alive
@@ -272,21 +285,32 @@ def test_a_cancelled_waiter_does_not_stop_the_writer(tmp_path):
 def test_total_ms_covers_the_durable_append_and_queue_ms_the_wait_for_it(tmp_path):
     """total_ms used to be taken before the commit the harness waited for, and queue_ms
     was 0 unless a backend slot limit was set."""
+    import threading
+
     db = tmp_path / "a.duckdb"
     w = CallWriter(db).start()
     append = w._log.append
+    appending, second_queued, answered = threading.Event(), threading.Event(), []
 
     def slow_append(data):             # a slow disk: each fsync takes 0.25 s
+        appending.set()
+        second_queued.wait(10)         # the second is submitted while the first's append runs
         time.sleep(0.25)
         return append(data)
 
     w._log.append = slow_append
-    first = w.submit(SESSION, record(0, _t0=time.perf_counter()))
-    time.sleep(0.05)                   # the second waits for the first's append to finish
+    first = w.submit(SESSION, record(0), t0=time.perf_counter())
+    assert appending.wait(10)          # the second waits for the first's append to finish
     t0 = time.perf_counter()
-    second = w.submit(SESSION, record(1, _t0=t0))
+    second = w.submit(SESSION, record(1), t0=t0)
+    # when its wait ended: stamped by the thread that answers it (this thread may wake later)
+    second.add_done_callback(lambda f: answered.append(time.perf_counter()))
+    second_queued.set()
     second.result(10)
-    waited = (time.perf_counter() - t0) * 1000
+    deadline = time.monotonic() + 10   # (its callback runs just after the result is set)
+    while not answered and time.monotonic() < deadline:
+        time.sleep(0.001)
+    waited = (answered[0] - t0) * 1000
     first.result(10)
     w.close()
     rows = dict((r[0], r[1:]) for r in query(db, "SELECT call_id, total_ms, queue_ms FROM calls")[1])
@@ -322,6 +346,9 @@ def test_a_torn_log_line_does_not_swallow_the_next_call(tmp_path):
     w._queue.put(writer_module._STOP)   # the old process is gone
     w._log_thread.join(5)
     os.close(w._lock_fd)                # (its writer lock with it)
+    gone = subprocess.Popen(["true"])   # and its loader marker names a dead process, not this one
+    gone.wait()
+    (readers_dir(db) / writer_module.LOADER_FILE).write_text(str(gone.pid))
     with open(seg, "ab") as f:         # a crash mid-append: half a line, never acknowledged
         f.write(b'{"s": {"session_id": "task-a~1"}, "r": {"call_id": "torn", "se')
     w2 = CallWriter(db).start()
@@ -381,7 +408,7 @@ def test_busy_writer_lets_a_reader_and_a_reward_writer_in(tmp_path):
     def load():
         i = 0
         while not stop.is_set():
-            acked.append(w.submit({"session_id": "busy"}, record(i)).result(20))
+            acked.append(w.submit(SessionInfo("busy"), record(i)).result(20))
             i += 1
 
     t = threading.Thread(target=load)
@@ -434,7 +461,7 @@ def test_a_row_group_past_group_bytes_goes_to_the_tail_a_quarter_of_it_at_a_time
     w.idle_release = 3600
     rows = writer_module.ROW_GROUP_ROWS
     try:
-        futs = [w.submit({"session_id": f"s~{i}"}, record(i, request_text="x" * 1000 + str(i)))
+        futs = [w.submit(SessionInfo(f"s~{i}"), record(i, request_text="x" * 1000 + str(i)))
                 for i in range(rows + 10)]
         assert [f.result(30) for f in futs] == [1] * (rows + 10)
         deadline = time.monotonic() + 30

@@ -44,16 +44,16 @@ def test_reading_skips_and_counts_what_cannot_be_trained(recorded, tmp_path):
     data = training_calls([db])
     assert data.skipped["no_reward"] == sum(c.session_id == "t1~2" for c in calls)
     assert data.sessions_without_reward == 1
-    assert {c["session_id"] for c in data.calls} == {c.session_id for c in calls} - {"t1~2"}
+    assert {c.session_id for c in data.calls} == {c.session_id for c in calls} - {"t1~2"}
     # several files (one per gateway machine) are read together
     db2 = tmp_path / "b.duckdb"
     more = synthetic_calls(tasks=1, seed=5, prefix="u")
     write_calls(db2, more)
     two = training_calls([db, db2], require_reward=False)
     assert len(two.calls) == len(calls) + len(more)
-    assert {c["db"] for c in two.calls} == {str(db), str(db2)}
+    assert {c.db for c in two.calls} == {str(db), str(db2)}
     only = training_calls([db, db2], tasks=["u0"], require_reward=False)
-    assert len(only.calls) == len(more) and {c["task_id"] for c in only.calls} == {"u0"}
+    assert len(only.calls) == len(more) and {c.group for c in only.calls} == {"u0"}
 
 
 def test_stats_prints_the_builder_comparison(recorded):
@@ -126,5 +126,5 @@ def test_a_retry_and_the_attempt_it_replaced_are_one_sample(tmp_path):
     for sid in {c.session_id for c in calls + retry}:
         set_reward(db, sid, 1.0, task_id="t0")
     data = training_calls([db])
-    sessions = {c["session_id"] for c in data.calls}
+    sessions = {c.session_id for c in data.calls}
     assert sessions == {"t0~0", "t0~1.r2"} and data.skipped["superseded_attempt"] == len(retry)

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from conftest import Proxy
 from polar_mitm.grpo.packing import merge
 from polar_mitm.grpo.policy import ForestRunner, TokenLogprobs
-from polar_mitm.grpo.rollouts import calls_from_records, drift_events
+from polar_mitm.grpo.calls import drift_events
 from polar_mitm.grpo.train import logprob_parity
 from polar_mitm.grpo.trajectories import build
 from polar_mitm.models import DEFAULT_MODEL_NAME, default_model_dir
@@ -105,7 +105,7 @@ def test_trainer_logprobs_match_vllm(recorded):
     assert parity["mean_abs_diff"] < 0.05
     # the re-rendering sessions drifted, and the trie trains their tokens in the contexts
     # vLLM sampled them in: the trainer's logprobs match vLLM's on exactly those sessions
-    calls = calls_from_records(training_calls([db]).calls)
+    calls = training_calls([db]).calls
     events = drift_events(calls)
     drifted = {calls[d.later].session_id for d in events}
     assert any(s.endswith("~0") for s in drifted), drifted
@@ -129,7 +129,7 @@ def test_one_grpo_step_moves_the_policy_the_right_way(trained):
     from transformers import AutoModelForCausalLM
 
     db, checkpoint = trained
-    calls = calls_from_records(training_calls([db]).calls)
+    calls = training_calls([db]).calls
     forest = merge(build(calls, "trie").samples)
     runner = ForestRunner(forest, 2048, torch.device("cpu"))
     from polar_mitm.grpo.advantages import group_advantages

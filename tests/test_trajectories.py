@@ -6,10 +6,11 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from polar_mitm.grpo.calls import drift_events, lcp
 from polar_mitm.grpo.packing import merge, plan_rows, row_context
-from polar_mitm.grpo.rollouts import Call, drift_events, lcp
 from polar_mitm.grpo.synthetic import EOT, Shape, group
 from polar_mitm.grpo.trajectories import build
+from polar_mitm.trainer_input import Call
 
 shapes = st.builds(
     Shape, sessions=st.integers(1, 4), turns=st.integers(1, 6), shared=st.integers(1, 40),

@@ -1,61 +1,49 @@
 """Provider API adapters: pure functions between provider wire formats and one chat shape.
 
-Each style module exposes STYLE, to_chat(body, path), from_chat(result, request),
-stream(result, request) -> list[bytes], error(status, message, kind) -> dict.
+Each style module implements the Adapter protocol (protocol.py); ADAPTERS maps a style to
+its module, and mypy checks every module against the protocol through that mapping.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
+from typing import Any
+
+import orjson
 
 from . import anthropic, google, openai_chat, openai_responses
-from .chat import AdapterError, MalformedRequest, UnsupportedContent
+from .backend import to_backend
+from .chat import AdapterError, ChatRequest, MalformedRequest, StreamKeepalive, UnsupportedContent
 from .detect import STYLES, detect
+from .protocol import Adapter
 
-ADAPTERS: dict[str, ModuleType] = {m.STYLE: m for m in (anthropic, openai_chat,
-                                                         openai_responses, google)}
+ADAPTERS: dict[str, Adapter] = {anthropic.STYLE: anthropic, openai_chat.STYLE: openai_chat,
+                                openai_responses.STYLE: openai_responses, google.STYLE: google}
 
 
-def adapter(style: str) -> ModuleType:
+def adapter(style: str) -> Adapter:
     return ADAPTERS[style]
 
 
-def backend_request(style: str, path: str, request_text: str, backend_params: dict) -> dict:
+def backend_request(style: str, path: str, request_text: str, backend_params: dict[str, Any]) -> dict[str, Any]:
     """The body vLLM got for a recorded call, rebuilt from what the store keeps: the
     harness's request text (adapted again, purely) and the stored non-message params (less
     `harness`: what the harness asked for its sampling, which vLLM did not get)."""
-    import orjson
-
-    from .backend import to_backend
     normalized = adapter(style).to_chat(orjson.loads(request_text), path)
     rebuilt = to_backend(normalized, backend_params.get("model", ""))
     return {**{k: v for k, v in backend_params.items() if k != "harness"},
             **{k: rebuilt[k] for k in ("messages", "tools") if k in rebuilt}}
 
 
-def stream_content_type(request: dict) -> str:
-    # Google without alt=sse streams one JSON array instead of SSE.
-    if request["style"] == "google" and not request["provider"].get("alt_sse"):
-        return "application/json"
-    return "text/event-stream"
+def stream_content_type(request: ChatRequest) -> str:
+    return adapter(request["style"]).stream_content_type(request)
 
 
-# SSE comment lines keep connections and body timeouts alive and every SSE parser skips
-# them; Google's SDKs choke on them (they match `^\s*data: ` on their buffer) but skip
-# whitespace, which a JSON-array stream allows too; OpenAI Responses needs data-bearing events.
-COMMENT_KEEPALIVE = b": keepalive\n\n"
+def stream_keepalive(request: ChatRequest, created: int) -> StreamKeepalive:
+    """(head, tick, leading events of the answer to leave out) in the request's provider's
+    shape. For OpenAI Responses the caller fixes request["response_id"] first, so the answer
+    keeps the head's id."""
+    return adapter(request["style"]).stream_keepalive(request, created)
 
 
-def stream_keepalive(request: dict, created: int) -> tuple[bytes, bytes, int]:
-    """(head, tick, leading events of the answer to leave out): what keeps a streaming
-    client waiting for a long generation, in its provider's shape. For OpenAI Responses
-    the caller fixes request["response_id"] first, so the answer keeps the head's id."""
-    if request["style"] == "openai_responses":
-        return openai_responses.stream_keepalive(request, created)
-    if request["style"] == "google":
-        return b"", b"\n", 0
-    return b"", COMMENT_KEEPALIVE, 0
-
-
-__all__ = ["ADAPTERS", "AdapterError", "MalformedRequest", "UnsupportedContent", "STYLES",
+__all__ = ["ADAPTERS", "Adapter", "AdapterError", "MalformedRequest", "UnsupportedContent", "STYLES",
            "adapter", "backend_request", "detect", "stream_content_type", "stream_keepalive"]

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 import orjson
 
-from .chat import (DEFAULT_STATUS, MalformedRequest, UnsupportedContent, chunk_text, dumps,
-                   expect_type, int_or_none, kind_for_status, merge_system_first,
-                   model_and_messages, new_request, number_or_none, parse_arguments, require,
-                   sse_event, stable_id, suffix_of, text_part)
+from .chat import (COMMENT_KEEPALIVE, SSE, ChatRequest, ChatResult, MalformedRequest, Message, Part,
+                   Reasoning, ResponseFormat, StreamKeepalive, Tool, ToolCall, ToolChoice,
+                   UnsupportedContent, chunk_text, dumps, expect_type, int_or_none, kind_for_status,
+                   merge_system_first, model_and_messages, new_request, number_or_none,
+                   parse_arguments, require, sse_event, stable_id, suffix_of, text_part)
 from .detect import is_count_tokens
 
 STYLE = "anthropic"
@@ -35,7 +36,7 @@ _SERVER_BLOCKS = {"server_tool_use", "web_search_tool_result", "web_fetch_tool_r
                   "container_upload", "search_result", "mcp_tool_use", "mcp_tool_result"}
 
 
-def to_chat(body: dict, path: str = "") -> dict:
+def to_chat(body: Any, path: str = "") -> ChatRequest:
     model, messages = model_and_messages(body)
     max_tokens = body.get("max_tokens")
     if not is_count_tokens(path):  # count_tokens bodies carry no max_tokens
@@ -99,13 +100,13 @@ def _strip_billing(text: str, dropped: set) -> str:
     return text.partition("\n")[2].lstrip("\n")
 
 
-def _system_parts(content: Any, where: str, dropped: set) -> list[dict]:
+def _system_parts(content: Any, where: str, dropped: set) -> list[Part]:
     if content is None:
         return []
     if isinstance(content, str):
         return [text_part(_strip_billing(content, dropped))]
     expect_type(content, list, where)
-    parts = []
+    parts: list[Part] = []
     for j, b in enumerate(content):
         w = f"{where}[{j}]"
         kind = _block(b, w, dropped)
@@ -114,8 +115,8 @@ def _system_parts(content: Any, where: str, dropped: set) -> list[dict]:
     return parts
 
 
-def _messages(messages: list, dropped: set) -> list[dict]:
-    out: list[dict] = []
+def _messages(messages: list, dropped: set) -> list[Message]:
+    out: list[Message] = []
     names: dict[str, str] = {}  # tool_use id -> tool name, to name the tool results
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
@@ -138,8 +139,10 @@ def _messages(messages: list, dropped: set) -> list[dict]:
     return out
 
 
-def _assistant(blocks: list, where: str, dropped: set, names: dict) -> dict:
-    parts, calls, thoughts = [], [], []
+def _assistant(blocks: list, where: str, dropped: set, names: dict) -> Message:
+    parts: list[Part] = []
+    calls: list[ToolCall] = []
+    thoughts: list[str] = []
     for j, b in enumerate(blocks):
         w = f"{where}[{j}]"
         kind = _block(b, w, dropped)
@@ -157,7 +160,7 @@ def _assistant(blocks: list, where: str, dropped: set, names: dict) -> dict:
             calls.append({"id": call_id, "name": name, "arguments": args, "kind": "function"})
         else:
             _reject(kind, w, "assistant")
-    msg: dict = {"role": "assistant", "content": parts}
+    msg: Message = {"role": "assistant", "content": parts}
     if calls:
         msg["tool_calls"] = calls
     if thoughts:
@@ -165,9 +168,10 @@ def _assistant(blocks: list, where: str, dropped: set, names: dict) -> dict:
     return msg
 
 
-def _user(blocks: list, where: str, dropped: set, names: dict) -> list[dict]:
+def _user(blocks: list, where: str, dropped: set, names: dict) -> list[Message]:
     """Tool results become tool messages, in order, before the user's own content."""
-    tools, parts = [], []
+    tools: list[Message] = []
+    parts: list[Part] = []
     for j, b in enumerate(blocks):
         w = f"{where}[{j}]"
         kind = _block(b, w, dropped)
@@ -183,7 +187,8 @@ def _user(blocks: list, where: str, dropped: set, names: dict) -> list[dict]:
                           "name": names.get(call_id), "is_error": is_error})
         else:
             _reject(kind, w, "user")
-    return tools + ([{"role": "user", "content": parts}] if parts or not tools else [])
+    user: list[Message] = [{"role": "user", "content": parts}] if parts or not tools else []
+    return tools + user
 
 
 def _tool_result_text(content: Any, where: str, dropped: set) -> str:
@@ -212,7 +217,7 @@ def _tool_result_text(content: Any, where: str, dropped: set) -> str:
     return "\n".join(texts)
 
 
-def _image(b: dict, where: str) -> dict:
+def _image(b: dict, where: str) -> Part:
     source = expect_type(b.get("source"), dict, f"{where}.source")
     kind = source.get("type")
     if kind == "base64":
@@ -227,7 +232,7 @@ def _image(b: dict, where: str) -> dict:
     raise MalformedRequest(f"{where}.source.type: unknown image source {kind!r}")
 
 
-def _reject(kind: str, where: str, place: str):
+def _reject(kind: str, where: str, place: str) -> NoReturn:
     if kind == "document":
         raise UnsupportedContent(f"{where}: document blocks (PDF/text files) are not supported")
     if kind in _SERVER_BLOCKS:
@@ -249,7 +254,7 @@ def _object(value: Any, where: str) -> dict:
     return value
 
 
-def _tool(t: Any, i: int, dropped: set) -> dict | None:
+def _tool(t: Any, i: int, dropped: set) -> Tool | None:
     where = f"tools[{i}]"
     expect_type(t, dict, where)
     if "cache_control" in t:
@@ -268,7 +273,7 @@ def _tool(t: Any, i: int, dropped: set) -> dict | None:
             "kind": "function", "format": None}
 
 
-def _tool_choice(choice: Any):
+def _tool_choice(choice: Any) -> tuple[ToolChoice, bool | None]:
     """(tool_choice, parallel_tool_calls)."""
     if choice is None:
         return None, None
@@ -286,7 +291,7 @@ def _tool_choice(choice: Any):
     raise MalformedRequest(f"tool_choice.type: unknown value {kind!r}")
 
 
-def _thinking(thinking: Any, effort: str | None):
+def _thinking(thinking: Any, effort: str | None) -> tuple[Reasoning | None, bool, Any]:
     """(reasoning, whether the client asked for thinking, display)."""
     if thinking is None:
         return None, False, None
@@ -303,7 +308,7 @@ def _thinking(thinking: Any, effort: str | None):
     raise MalformedRequest(f"thinking.type: unknown value {kind!r}")
 
 
-def _response_format(fmt: Any):
+def _response_format(fmt: Any) -> ResponseFormat | None:
     if fmt is None:
         return None
     expect_type(fmt, dict, "output_config.format")
@@ -316,7 +321,7 @@ def _response_format(fmt: Any):
 
 # ---- responses ------------------------------------------------------------------------
 
-def _stop(result: dict, request: dict) -> tuple[str, str | None]:
+def _stop(result: ChatResult, request: ChatRequest) -> tuple[str, str | None]:
     finish = result["finish_reason"]
     seq = result.get("stop_sequence")
     if finish == "stop" and seq and seq in request["stop"]:
@@ -325,8 +330,8 @@ def _stop(result: dict, request: dict) -> tuple[str, str | None]:
             "content_filter": "refusal"}.get(finish, "end_turn"), None
 
 
-def _blocks(result: dict, request: dict) -> list[dict]:
-    blocks = []
+def _blocks(result: ChatResult, request: ChatRequest) -> list[dict]:
+    blocks: list[dict] = []
     if result.get("reasoning") and request["provider"].get("thinking"):
         thinking = "" if request["provider"].get("thinking_omitted") else result["reasoning"]
         blocks.append({"type": "thinking", "thinking": thinking, "signature": SIGNATURE})
@@ -340,25 +345,26 @@ def _blocks(result: dict, request: dict) -> list[dict]:
     return blocks
 
 
-def _usage(result: dict, output_tokens: int | None = None) -> dict:
+def _usage(result: ChatResult, output_tokens: int | None = None) -> dict:
     u = result["usage"]
     return {"input_tokens": u["prompt_tokens"],
             "output_tokens": u["completion_tokens"] if output_tokens is None else output_tokens,
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
 
 
-def _message(result: dict, request: dict, content: list, usage: dict, stop) -> dict:
+def _message(result: ChatResult, request: ChatRequest, content: list, usage: dict,
+             stop: tuple[str | None, str | None]) -> dict:
     return {"id": stable_id("msg_", result["id"]), "type": "message", "role": "assistant",
             "model": request["model"], "content": content, "stop_reason": stop[0],
             "stop_sequence": stop[1], "usage": usage}
 
 
-def from_chat(result: dict, request: dict) -> dict:
+def from_chat(result: ChatResult, request: ChatRequest) -> dict:
     return _message(result, request, _blocks(result, request), _usage(result),
                     _stop(result, request))
 
 
-def stream(result: dict, request: dict) -> list[bytes]:
+def stream(result: ChatResult, request: ChatRequest) -> list[bytes]:
     def ev(kind: str, **data) -> bytes:
         return sse_event({"type": kind, **data}, event=kind)
 
@@ -399,14 +405,17 @@ _TYPES = {"invalid_request": "invalid_request_error", "context_too_long": "inval
           "too_large": "request_too_large"}
 
 
-def status_for(kind: str) -> int:
-    """The HTTP status Anthropic uses for an error kind."""
-    return OVERLOADED_STATUS if kind == "overloaded" else DEFAULT_STATUS.get(kind, 500)
-
-
 def error(status: int, message: str, kind: str | None = None) -> dict:
     kind = kind or kind_for_status(status)
     etype = _TYPES.get(kind, "api_error")
     if kind == "authentication" and status == 403:
         etype = "permission_error"
     return {"type": "error", "error": {"type": etype, "message": message}}
+
+
+def stream_content_type(request: ChatRequest) -> str:
+    return SSE
+
+
+def stream_keepalive(request: ChatRequest, created: int) -> StreamKeepalive:
+    return COMMENT_KEEPALIVE

@@ -6,11 +6,12 @@ logprobs included) before it can answer the client in its own format.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 import orjson
 
-from .chat import AdapterError, dumps, parts_text, stable_id
+from .chat import (AdapterError, ChatRequest, ChatResult, FinishReason, Message, Part, Tool, ToolCall,
+                   ToolKind, dumps, parts_text, stable_id)
 
 # Asked on every call so the store gets token-faithful records.
 TOKEN_FIELDS = {"logprobs": True, "top_logprobs": 0, "return_token_ids": True}
@@ -22,13 +23,19 @@ TOKEN_FIELDS = {"logprobs": True, "top_logprobs": 0, "return_token_ids": True}
 # in every vLLM version (0.10+ also takes 0, which older ones refuse).
 POLICY_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
                    "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
-# What a harness may ask for its sampling: recorded with every call (requested_sampling),
-# sent to vLLM only with harness_sampling (the operator's polar_harness_sampling).
-HARNESS_SAMPLING = ("temperature", "top_p", "top_k")
-_PASSED = ("max_tokens", "seed")
+# vLLM's finish reasons the chat shape keeps; any other is a plain stop.
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "content_filter": "content_filter"}
 
 
-def custom_tool_parameters(tool: dict) -> dict:
+class SampledTokens(TypedDict):
+    """What vLLM sampled, as the store keeps it (the policy version is the gateway's own:
+    addons/policy_gate.py, not the backend's)."""
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]       # aligned with token_ids
+
+
+def custom_tool_parameters(tool: Tool) -> dict[str, Any]:
     """A freeform (custom) tool becomes a function with one string argument."""
     fmt = tool.get("format") or {}
     desc = "Raw input for the tool."
@@ -38,19 +45,19 @@ def custom_tool_parameters(tool: dict) -> dict:
             "required": ["input"]}
 
 
-def _content(parts: list[dict]) -> Any:
+def _content(parts: list[Part]) -> Any:
     if all(p["type"] == "text" for p in parts):
         return parts_text(parts)
     return [{"type": "text", "text": p["text"]} if p["type"] == "text"
             else {"type": "image_url", "image_url": {"url": p["url"]}} for p in parts]
 
 
-def _call(c: dict) -> dict:
+def _call(c: ToolCall) -> dict:
     args = c["arguments"] if c["kind"] == "function" else dumps({"input": c["arguments"]})
     return {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": args}}
 
 
-def _message(m: dict) -> dict:
+def _message(m: Message) -> dict:
     role = m["role"]
     if role == "tool":
         text = parts_text(m["content"])
@@ -67,17 +74,25 @@ def _message(m: dict) -> dict:
     return out
 
 
-def requested_sampling(request: dict) -> dict:
+def _harness_sampling(request: ChatRequest) -> dict[str, Any]:
+    """What a harness may ask for its sampling (None: not set): recorded with every call
+    (requested_sampling), sent to vLLM only with harness_sampling (polar_harness_sampling)."""
+    return {"temperature": request.get("temperature"), "top_p": request.get("top_p"),
+            "top_k": request.get("top_k")}
+
+
+def requested_sampling(request: ChatRequest) -> dict[str, Any]:
     """What the harness asked for its sampling, only what it set: temperature, top_p, top_k,
     and the type of structured output (json_schema | json_object) it requested."""
-    out = {k: request[k] for k in HARNESS_SAMPLING if request.get(k) is not None}
-    if request.get("response_format"):
-        out["response_format"] = request["response_format"]["type"]
+    out = {k: v for k, v in _harness_sampling(request).items() if v is not None}
+    rf = request.get("response_format")
+    if rf:
+        out["response_format"] = rf["type"]
     return out
 
 
-def to_backend(request: dict, served_model: str, overrides: dict | None = None,
-               max_model_len: int | None = None, *, harness_sampling: bool = False) -> dict:
+def to_backend(request: ChatRequest, served_model: str, overrides: dict[str, Any] | None = None,
+               max_model_len: int | None = None, *, harness_sampling: bool = False) -> dict[str, Any]:
     """The body POSTed to the backend's /v1/chat/completions.
 
     Sampling is the policy's (POLICY_SAMPLING) whatever the harness asked; with
@@ -106,9 +121,10 @@ def to_backend(request: dict, served_model: str, overrides: dict | None = None,
         if request["parallel_tool_calls"] is not None:
             body["parallel_tool_calls"] = request["parallel_tool_calls"]
     body.update(POLICY_SAMPLING)
-    for key in (*_PASSED, *(HARNESS_SAMPLING if harness_sampling else ())):
-        if request.get(key) is not None:
-            body[key] = request[key]
+    asked = {"max_tokens": request.get("max_tokens"), "seed": request.get("seed")}
+    if harness_sampling:
+        asked |= _harness_sampling(request)
+    body.update((k, v) for k, v in asked.items() if v is not None)
     if body["top_k"] <= 0:   # "off" (vLLM before 0.10 refuses 0, every version below -1)
         body["top_k"] = -1
     if request["stop"]:
@@ -186,7 +202,7 @@ def parse_completion(content: bytes) -> tuple[Any, bytes | None]:
     return resp, orjson.dumps(ids) if isinstance(ids, list) else None
 
 
-def from_backend(resp: Any, request: dict) -> tuple[dict, dict]:
+def from_backend(resp: Any, request: ChatRequest) -> tuple[ChatResult, SampledTokens]:
     """(normalized result, token record) from a vLLM chat completion. Anything else (a null
     message, a field of the wrong type) is the backend's fault: a 502, not a Python error."""
     try:
@@ -202,13 +218,13 @@ def from_backend(resp: Any, request: dict) -> tuple[dict, dict]:
         raise BackendError("backend answered with a malformed completion") from None
 
 
-def _from_backend(resp: dict, choice: dict, msg: dict, request: dict) -> tuple[dict, dict]:
+def _from_backend(resp: dict, choice: dict, msg: dict, request: ChatRequest) -> tuple[ChatResult, SampledTokens]:
     custom = {t["name"] for t in request["tools"] if t["kind"] == "custom"}
-    calls = []
+    calls: list[ToolCall] = []
     for i, c in enumerate(msg.get("tool_calls") or []):
         fn = c.get("function") or {}
         name, args = fn.get("name") or "", fn.get("arguments") or "{}"
-        kind = "function"
+        kind: ToolKind = "function"
         if name in custom:
             kind = "custom"
             try:
@@ -217,15 +233,14 @@ def _from_backend(resp: dict, choice: dict, msg: dict, request: dict) -> tuple[d
                 pass
         calls.append({"id": stable_id("call_", resp.get("id"), i, c.get("id")), "name": name,
                       "arguments": args, "kind": kind})
-    finish = choice.get("finish_reason") or "stop"
+    reason = choice.get("finish_reason")
+    finish = _FINISH.get(reason, "stop") if isinstance(reason, str) else "stop"
     if calls:
         finish = "tool_calls"
-    elif finish not in ("stop", "length", "content_filter"):
-        finish = "stop"
     stop_reason = choice.get("stop_reason")
     usage = resp.get("usage") or {}
     token_ids = choice.get("token_ids") or []
-    result = {
+    result: ChatResult = {
         "id": resp.get("id") or stable_id("chatcmpl-", token_ids),
         "created": int(resp.get("created") or 0),
         "model": resp.get("model") or "",
@@ -238,11 +253,6 @@ def _from_backend(resp: dict, choice: dict, msg: dict, request: dict) -> tuple[d
                   "completion_tokens": int(usage.get("completion_tokens") or len(token_ids))},
     }
     lp = (choice.get("logprobs") or {}).get("content") or []
-    # (the policy version is the gateway's own: addons/policy_gate.py, not the backend's)
-    tokens = {
-        "prompt_token_ids": resp.get("prompt_token_ids") or [],
-        "token_ids": token_ids,
-        "logprobs": [float(t.get("logprob", 0.0)) for t in lp],
-        "prompt_text": resp.get("prompt_text"),
-    }
+    tokens: SampledTokens = {"prompt_token_ids": resp.get("prompt_token_ids") or [], "token_ids": token_ids,
+                             "logprobs": [float(t.get("logprob", 0.0)) for t in lp]}
     return result, tokens

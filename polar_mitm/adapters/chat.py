@@ -1,45 +1,141 @@
 """The internal chat shape every adapter translates to and from.
 
-Plain JSON-serialisable dicts, so a normalized request can be stored as-is and
-compared across turns.
-
-Normalized request::
-
-    {"style": str, "model": str, "stream": bool,
-     "messages": [Message], "tools": [Tool], "tool_choice": None | "auto" | "none"
-        | "required" | {"name": str},
-     "parallel_tool_calls": bool | None,
-     "max_tokens", "temperature", "top_p", "top_k", "seed": number | None,
-     "stop": [str], "response_format": None | {"type": "json_object"}
-        | {"type": "json_schema", "name": str, "schema": dict},
-     "reasoning": None | {"effort": str | None, "budget_tokens": int | None},
-     "provider": {...style-specific facts needed to answer...},
-     "dropped": [str]}                       # provider-only fields not forwarded
-
-Message: {"role": "system" | "user" | "assistant" | "tool", "content": [Part]}
-  assistant may add "tool_calls": [ToolCall] and "reasoning": str
-  tool adds "tool_call_id": str, "name": str | None, "is_error": bool
-Part: {"type": "text", "text": str} | {"type": "image", "url": str}
-      (url is an http(s) URL or a data: URL)
-ToolCall: {"id": str, "name": str, "arguments": str, "kind": "function" | "custom"}
-  function arguments are a JSON object text; custom arguments are the raw input.
-Tool: {"name": str, "description": str, "parameters": dict, "kind": "function" | "custom",
-       "format": dict | None}
-
-Normalized result (what the backend produced, provider-neutral)::
-
-    {"id": str, "created": int, "model": str, "text": str, "reasoning": str | None,
-     "tool_calls": [ToolCall], "finish_reason": "stop" | "length" | "tool_calls"
-        | "content_filter", "stop_sequence": str | None,
-     "usage": {"prompt_tokens": int, "completion_tokens": int}}
+Plain JSON-serialisable dicts (TypedDicts below), so a normalized request can be stored
+as-is and compared across turns.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal, NamedTuple, NotRequired, TypedDict
 
 import orjson
+
+Role = Literal["system", "user", "assistant", "tool"]
+ToolKind = Literal["function", "custom"]
+FinishReason = Literal["stop", "length", "tool_calls", "content_filter"]
+
+
+class TextPart(TypedDict):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(TypedDict):
+    type: Literal["image"]
+    url: str                      # an http(s) URL or a data: URL
+
+
+Part = TextPart | ImagePart
+
+
+class ToolCall(TypedDict):
+    id: str
+    name: str
+    arguments: str                # function: a JSON object's text; custom: the raw input
+    kind: ToolKind
+
+
+class Message(TypedDict):
+    role: Role
+    content: list[Part]
+    tool_calls: NotRequired[list[ToolCall]]     # assistant
+    reasoning: NotRequired[str]                 # assistant
+    tool_call_id: NotRequired[str]              # tool
+    name: NotRequired[str | None]               # tool
+    is_error: NotRequired[bool]                 # tool
+
+
+class Tool(TypedDict):
+    name: str
+    description: str
+    parameters: dict[str, Any]    # JSON Schema ({} for a custom tool)
+    kind: ToolKind
+    format: dict[str, Any] | None  # a custom tool's input format (text, a grammar)
+
+
+class NamedTool(TypedDict):
+    name: str
+
+
+ChoiceMode = Literal["auto", "none", "required"]
+ToolChoice = ChoiceMode | NamedTool | None
+
+
+class ResponseFormat(TypedDict):
+    type: Literal["json_object", "json_schema"]
+    name: NotRequired[str]                      # json_schema
+    schema: NotRequired[dict[str, Any]]         # json_schema
+
+
+class Reasoning(TypedDict):
+    effort: str | None
+    budget_tokens: int | None
+
+
+class Provider(TypedDict, total=False):
+    """Style-specific facts needed to answer in the client's own format."""
+    thinking: bool                # anthropic: the client asked for thinking blocks
+    thinking_omitted: bool        # anthropic: ... with display "omitted"
+    include_usage: bool           # openai_chat: stream_options.include_usage
+    reasoning: dict[str, Any]     # openai_responses: the reasoning settings, echoed
+    namespaces: dict[str, str]    # openai_responses: tool name -> its namespace
+    alt_sse: bool                 # google: ?alt=sse (else a JSON-array stream)
+    code_assist: bool             # google: the Code Assist wrapping
+    include_thoughts: bool        # google: thinkingConfig.includeThoughts
+
+
+class ChatRequest(TypedDict):
+    """A normalized request."""
+    style: str
+    model: str
+    stream: bool
+    messages: list[Message]
+    tools: list[Tool]
+    tool_choice: ToolChoice
+    parallel_tool_calls: bool | None
+    max_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
+    stop: list[str]
+    response_format: ResponseFormat | None
+    reasoning: Reasoning | None
+    provider: Provider
+    dropped: list[str]            # provider-only fields not forwarded
+    # OpenAI Responses: the id a keepalive's opening events named, which the answer keeps
+    response_id: NotRequired[str]
+
+
+class Usage(TypedDict):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class ChatResult(TypedDict):
+    """What the backend produced, provider-neutral."""
+    id: str
+    created: int
+    model: str
+    text: str
+    reasoning: str | None
+    tool_calls: list[ToolCall]
+    finish_reason: FinishReason
+    stop_sequence: str | None
+    usage: Usage
+
+
+class StreamKeepalive(NamedTuple):
+    """What keeps a streaming client waiting for a long generation, in its provider's shape."""
+    head: bytes                   # sent with the headers
+    tick: bytes                   # sent each interval
+    skip_events: int              # leading SSE events of the answer that the head stood for
+
+
+SSE = "text/event-stream"
+# SSE comment lines keep connections and body timeouts alive and every SSE parser skips them.
+COMMENT_KEEPALIVE = StreamKeepalive(b"", b": keepalive\n\n", 0)
 
 
 class AdapterError(ValueError):
@@ -65,13 +161,8 @@ class UnsupportedContent(AdapterError):
     """Valid for the provider, but not something the backend can take (e.g. audio)."""
 
 
-# The error kinds every provider's error() maps to its own body, with their usual status.
-DEFAULT_STATUS = {"invalid_request": 400, "context_too_long": 400, "overloaded": 503,
-                  "timeout": 504, "backend_error": 502, "not_found": 404,
-                  "authentication": 401, "rate_limit": 429, "too_large": 413}
-
-
 def kind_for_status(status: int) -> str:
+    """The error kind (which every provider's error() maps to its own body) of a status."""
     if status == 404:
         return "not_found"
     if status in (401, 403):
@@ -127,7 +218,7 @@ def model_and_messages(body: Any) -> tuple[str, list]:
     return model, messages
 
 
-def json_response_format(kind: Any, name: Any, schema: Any, where: str) -> dict | None:
+def json_response_format(kind: Any, name: Any, schema: Any, where: str) -> ResponseFormat | None:
     """Structured-output request of OpenAI Chat (response_format) and Responses (text.format)."""
     if kind == "text":
         return None
@@ -140,22 +231,33 @@ def json_response_format(kind: Any, name: Any, schema: Any, where: str) -> dict 
     raise MalformedRequest(f"{where}.type: unknown value {kind!r}")
 
 
-def text_part(text: str) -> dict:
+_CHOICE_MODES: dict[str, ChoiceMode] = {"auto": "auto", "none": "none", "required": "required"}
+
+
+def choice_mode(value: Any, where: str, allowed: tuple[str, ...] = ("auto", "none", "required")) -> ChoiceMode:
+    """A tool choice given by its mode (one of `allowed`), else a MalformedRequest."""
+    mode = _CHOICE_MODES.get(value) if isinstance(value, str) and value in allowed else None
+    if mode is None:
+        raise MalformedRequest(f"{where}: unknown value {value!r}")
+    return mode
+
+
+def text_part(text: str) -> TextPart:
     return {"type": "text", "text": text}
 
 
-def parts_text(parts: Iterable[dict]) -> str:
+def parts_text(parts: Iterable[Part]) -> str:
     return "".join(p["text"] for p in parts if p["type"] == "text")
 
 
-def new_request(style: str, model: str) -> dict:
+def new_request(style: str, model: str) -> ChatRequest:
     return {"style": style, "model": model, "stream": False, "messages": [], "tools": [],
             "tool_choice": None, "parallel_tool_calls": None, "max_tokens": None,
             "temperature": None, "top_p": None, "top_k": None, "seed": None, "stop": [],
             "response_format": None, "reasoning": None, "provider": {}, "dropped": []}
 
 
-def merge_system_first(messages: list[dict], system_parts: list[dict]) -> list[dict]:
+def merge_system_first(messages: list[Message], system_parts: list[Part]) -> list[Message]:
     """One leading system message holding every system text, in order; chat
     templates of open models accept a system message only in first position."""
     parts = list(system_parts)
@@ -168,7 +270,8 @@ def merge_system_first(messages: list[dict], system_parts: list[dict]) -> list[d
     texts = [p["text"] for p in parts if p["type"] == "text" and p["text"]]
     if not texts:
         return rest
-    return [{"role": "system", "content": [text_part("\n\n".join(texts))]}] + rest
+    system: Message = {"role": "system", "content": [text_part("\n\n".join(texts))]}
+    return [system, *rest]
 
 
 def dumps(obj: Any) -> str:

@@ -12,7 +12,7 @@ STYLES = (ANTHROPIC, OPENAI_CHAT, OPENAI_RESPONSES, GOOGLE)
 _GOOGLE_PATH = re.compile(r"/models/(?P<model>[^/:]+):(?P<method>generateContent|streamGenerateContent)$")
 # Gemini CLI with Google login talks to Code Assist: the model is inside the body.
 _OTHER_ENDPOINT = re.compile(r"(:[A-Za-z]+|/count_tokens|/embeddings|/tokenize|/completions)$")
-_CODE_ASSIST_PATH = re.compile(r"/v1internal:(generateContent|streamGenerateContent)$")
+CODE_ASSIST_PATH = re.compile(r"/v1internal:(?P<method>generateContent|streamGenerateContent)$")
 
 
 def split_path(path: str) -> tuple[str, str]:
@@ -29,7 +29,7 @@ def style_from_path(path: str) -> str | None:
         return OPENAI_CHAT
     if base.endswith("/responses"):
         return OPENAI_RESPONSES
-    if _GOOGLE_PATH.search(base) or _CODE_ASSIST_PATH.search(base):
+    if _GOOGLE_PATH.search(base) or CODE_ASSIST_PATH.search(base):
         return GOOGLE
     return None
 

@@ -8,19 +8,22 @@ Google login talks to the Code Assist API instead, whose request is wrapped as
 from __future__ import annotations
 
 import math
-import re
-from typing import Any
+from typing import Any, Iterator
 
 import orjson
 
-from .chat import (MalformedRequest, UnsupportedContent, dumps, expect_type, int_or_none,
-                   kind_for_status, merge_system_first, new_request, number_or_none,
-                   parse_arguments, require, sse_event, chunk_text, stable_id, text_part)
-from .detect import google_path, split_path
+from .chat import (SSE, ChatRequest, ChatResult, ChoiceMode, MalformedRequest, Message, Part,
+                   ResponseFormat, StreamKeepalive, Tool, ToolCall, ToolChoice, UnsupportedContent,
+                   chunk_text, dumps, expect_type, int_or_none, kind_for_status, merge_system_first,
+                   new_request, number_or_none, parse_arguments, require, sse_event, stable_id,
+                   text_part)
+from .detect import CODE_ASSIST_PATH, google_path, split_path
 
 STYLE = "google"
-
-_CODE_ASSIST_PATH = re.compile(r"/v1internal:(?P<method>generateContent|streamGenerateContent)$")
+OVERLOADED_STATUS = 503
+# Google's SDKs choke on SSE comment lines (they match `^\s*data: ` on their buffer) but skip
+# whitespace, which a JSON-array stream allows too.
+_KEEPALIVE = StreamKeepalive(b"", b"\n", 0)
 _HANDLED = {"contents", "systemInstruction", "tools", "toolConfig", "generationConfig", "model"}
 _GENERATION = {"temperature", "topP", "topK", "maxOutputTokens", "stopSequences", "seed",
                "candidateCount", "responseMimeType", "responseSchema", "responseJsonSchema",
@@ -29,7 +32,7 @@ _GENERATION = {"temperature", "topP", "topK", "maxOutputTokens", "stopSequences"
 _DATA = ("text", "inlineData", "fileData", "functionCall", "functionResponse",
          "executableCode", "codeExecutionResult")
 _META = ("thought", "thoughtSignature")
-_MODES = {"AUTO": "auto", "VALIDATED": "auto", "NONE": "none", "ANY": "required",
+_MODES: dict[str, ChoiceMode | None] = {"AUTO": "auto", "VALIDATED": "auto", "NONE": "none", "ANY": "required",
           "MODE_UNSPECIFIED": None}
 _MAX_SCHEMA_DEPTH = 64
 
@@ -39,8 +42,9 @@ def _parse_path(path: str) -> tuple[str | None, bool, bool]:
     if parsed:
         return parsed
     base, query = split_path(path)
-    m = _CODE_ASSIST_PATH.search(base)
-    require(m, f"path {path!r}: not a generateContent or streamGenerateContent path")
+    m = CODE_ASSIST_PATH.search(base)
+    if not m:
+        raise MalformedRequest(f"path {path!r}: not a generateContent or streamGenerateContent path")
     return None, m["method"] == "streamGenerateContent", "alt=sse" in query.split("&")
 
 
@@ -51,7 +55,7 @@ def _dumps(value: Any, where: str) -> str:
         raise MalformedRequest(f"{where}: not serialisable as JSON ({e})") from None
 
 
-def to_chat(body: dict, path: str = "") -> dict:
+def to_chat(body: Any, path: str = "") -> ChatRequest:
     expect_type(body, dict, "request body")
     model, streaming, alt_sse = _parse_path(path)
     code_assist = isinstance(body.get("request"), dict) and "contents" not in body
@@ -60,9 +64,11 @@ def to_chat(body: dict, path: str = "") -> dict:
         wrapper, body = body, body["request"]
         model = wrapper.get("model") or model
         dropped |= {k for k in wrapper if k not in ("model", "request")}
-    require(isinstance(model, str) and model, "model: a non-empty model name is required")
+    if not (isinstance(model, str) and model):
+        raise MalformedRequest("model: a non-empty model name is required")
     contents = body.get("contents")
-    require(isinstance(contents, list) and contents, "contents: a non-empty array is required")
+    if not (isinstance(contents, list) and contents):
+        raise MalformedRequest("contents: a non-empty array is required")
 
     req = new_request(STYLE, model)
     req["stream"] = streaming
@@ -80,14 +86,14 @@ def to_chat(body: dict, path: str = "") -> dict:
 
 # ---- contents ---------------------------------------------------------------------------
 
-def _system(si: Any) -> list[dict]:
+def _system(si: Any) -> list[Part]:
     if si is None:
         return []
     if isinstance(si, str):
         return [text_part(si)]
     expect_type(si, dict, "systemInstruction")
     parts = expect_type(si.get("parts", []), list, "systemInstruction.parts")
-    out = []
+    out: list[Part] = []
     for j, p in enumerate(parts):
         where = f"systemInstruction.parts[{j}]"
         expect_type(p, dict, where)
@@ -97,8 +103,8 @@ def _system(si: Any) -> list[dict]:
     return out
 
 
-def _contents(contents: list, dropped: set[str]) -> list[dict]:
-    messages: list[dict] = []
+def _contents(contents: list, dropped: set[str]) -> list[Message]:
+    messages: list[Message] = []
     pending: list[tuple[str, str]] = []  # (id, name) of calls not answered yet, in order
     for i, turn in enumerate(contents):
         where = f"contents[{i}]"
@@ -114,7 +120,7 @@ def _contents(contents: list, dropped: set[str]) -> list[dict]:
     return messages
 
 
-def _parts(parts: list, i: int, dropped: set[str]):
+def _parts(parts: list, i: int, dropped: set[str]) -> Iterator[tuple[int, str, dict, str]]:
     """(index, where, part, data field) for each content-bearing part."""
     for j, p in enumerate(parts):
         where = f"contents[{i}].parts[{j}]"
@@ -136,7 +142,7 @@ def _parts(parts: list, i: int, dropped: set[str]):
         yield j, where, p, kind
 
 
-def _media(p: dict, where: str) -> dict:
+def _media(p: dict, where: str) -> Part:
     data = expect_type(p["inlineData"], dict, f"{where}.inlineData")
     mime = expect_type(data.get("mimeType"), str, f"{where}.inlineData.mimeType")
     b64 = expect_type(data.get("data"), str, f"{where}.inlineData.data")
@@ -150,8 +156,10 @@ def _text(p: dict, where: str) -> str:
     return expect_type(p["text"], str, f"{where}.text")
 
 
-def _model_turn(parts: list, i: int, pending: list, dropped: set[str]) -> list[dict]:
-    content, reasoning, calls = [], [], []
+def _model_turn(parts: list, i: int, pending: list, dropped: set[str]) -> list[Message]:
+    content: list[Part] = []
+    reasoning: list[str] = []
+    calls: list[ToolCall] = []
     for j, where, p, kind in _parts(parts, i, dropped):
         if kind == "text":
             thought = p.get("thought", False)
@@ -170,7 +178,7 @@ def _model_turn(parts: list, i: int, pending: list, dropped: set[str]) -> list[d
             raise MalformedRequest(f"{where}: {kind} belongs in a user turn")
     if not (content or reasoning or calls):
         return []
-    msg: dict = {"role": "assistant", "content": content}
+    msg: Message = {"role": "assistant", "content": content}
     if calls:
         msg["tool_calls"] = calls
     if reasoning:
@@ -178,7 +186,7 @@ def _model_turn(parts: list, i: int, pending: list, dropped: set[str]) -> list[d
     return [msg]
 
 
-def _call(fc: Any, where: str, i: int, j: int) -> dict:
+def _call(fc: Any, where: str, i: int, j: int) -> ToolCall:
     expect_type(fc, dict, where)
     name = expect_type(fc.get("name"), str, f"{where}.name")
     args = fc.get("args")
@@ -192,8 +200,9 @@ def _call(fc: Any, where: str, i: int, j: int) -> dict:
             "kind": "function"}
 
 
-def _user_turn(parts: list, i: int, pending: list, dropped: set[str]) -> list[dict]:
-    tools, content = [], []
+def _user_turn(parts: list, i: int, pending: list, dropped: set[str]) -> list[Message]:
+    tools: list[Message] = []
+    content: list[Part] = []
     for j, where, p, kind in _parts(parts, i, dropped):
         if kind == "text":
             text = _text(p, where)
@@ -207,10 +216,11 @@ def _user_turn(parts: list, i: int, pending: list, dropped: set[str]) -> list[di
         else:
             raise MalformedRequest(f"{where}: {kind} belongs in a model turn")
     # Tool results answer the previous assistant turn, so they come before new user text.
-    return tools + ([{"role": "user", "content": content}] if content else [])
+    user: list[Message] = [{"role": "user", "content": content}] if content else []
+    return tools + user
 
 
-def _tool_result(fr: Any, where: str, i: int, j: int, pending: list) -> dict:
+def _tool_result(fr: Any, where: str, i: int, j: int, pending: list) -> Message:
     expect_type(fr, dict, where)
     name = expect_type(fr.get("name"), str, f"{where}.name")
     response = fr.get("response")
@@ -273,7 +283,7 @@ def _schema_type(value: Any, where: str):
     return None if value == "type_unspecified" else value
 
 
-def _tools(tools: Any, dropped: set[str]) -> list[dict]:
+def _tools(tools: Any, dropped: set[str]) -> list[Tool]:
     if tools is None:
         return []
     expect_type(tools, list, "tools")
@@ -290,7 +300,7 @@ def _tools(tools: Any, dropped: set[str]) -> list[dict]:
     return out
 
 
-def _declaration(d: Any, where: str) -> dict:
+def _declaration(d: Any, where: str) -> Tool:
     expect_type(d, dict, where)
     name = expect_type(d.get("name"), str, f"{where}.name")
     description = d.get("description")
@@ -305,7 +315,7 @@ def _declaration(d: Any, where: str) -> dict:
             "kind": "function", "format": None}
 
 
-def _tool_choice(config: Any, dropped: set[str]):
+def _tool_choice(config: Any, dropped: set[str]) -> ToolChoice:
     if config is None:
         return None
     expect_type(config, dict, "toolConfig")
@@ -327,7 +337,7 @@ def _tool_choice(config: Any, dropped: set[str]):
     return _MODES[mode]
 
 
-def _generation(gc: Any, req: dict, dropped: set[str]) -> None:
+def _generation(gc: Any, req: ChatRequest, dropped: set[str]) -> None:
     if gc is None:
         return
     where = "generationConfig"
@@ -350,7 +360,7 @@ def _generation(gc: Any, req: dict, dropped: set[str]) -> None:
     _thinking(gc.get("thinkingConfig"), req)
 
 
-def _response_format(gc: dict, dropped: set[str]):
+def _response_format(gc: dict, dropped: set[str]) -> ResponseFormat | None:
     where = "generationConfig"
     mime = gc.get("responseMimeType")
     schema = gc.get("responseJsonSchema", gc.get("responseSchema"))
@@ -368,7 +378,7 @@ def _response_format(gc: dict, dropped: set[str]):
     return {"type": "json_schema", "name": "response", "schema": _schema(schema, f"{where}.{key}")}
 
 
-def _thinking(tc: Any, req: dict) -> None:
+def _thinking(tc: Any, req: ChatRequest) -> None:
     if tc is None:
         return
     where = "generationConfig.thinkingConfig"
@@ -392,18 +402,18 @@ _FINISH = {"stop": "STOP", "length": "MAX_TOKENS", "tool_calls": "STOP",
            "content_filter": "SAFETY"}
 
 
-def _call_out(c: dict) -> dict:
+def _call_out(c: ToolCall) -> dict:
     return {"functionCall": {"id": c["id"], "name": c["name"],
                              "args": parse_arguments(c["arguments"])}}
 
 
-def _usage(result: dict) -> dict:
+def _usage(result: ChatResult) -> dict:
     u = result["usage"]
     return {"promptTokenCount": u["prompt_tokens"], "candidatesTokenCount": u["completion_tokens"],
             "totalTokenCount": u["prompt_tokens"] + u["completion_tokens"]}
 
 
-def _response(parts: list[dict], result: dict, request: dict, final: bool) -> dict:
+def _response(parts: list[dict], result: ChatResult, request: ChatRequest, final: bool) -> dict:
     candidate: dict = {"content": {"role": "model", "parts": parts or [{"text": ""}]}, "index": 0}
     out: dict = {"candidates": [candidate]}
     if final:
@@ -414,15 +424,15 @@ def _response(parts: list[dict], result: dict, request: dict, final: bool) -> di
     return out
 
 
-def _wrap(response: dict, request: dict) -> dict:
+def _wrap(response: dict, request: ChatRequest) -> dict:
     return {"response": response} if request["provider"].get("code_assist") else response
 
 
-def _thought(result: dict, request: dict) -> str:
+def _thought(result: ChatResult, request: ChatRequest) -> str:
     return (result.get("reasoning") or "") if request["provider"].get("include_thoughts") else ""
 
 
-def from_chat(result: dict, request: dict) -> dict:
+def from_chat(result: ChatResult, request: ChatRequest) -> dict:
     parts = []
     if _thought(result, request):
         parts.append({"text": result["reasoning"], "thought": True})
@@ -432,7 +442,7 @@ def from_chat(result: dict, request: dict) -> dict:
     return _wrap(_response(parts, result, request, final=True), request)
 
 
-def stream(result: dict, request: dict) -> list[bytes]:
+def stream(result: ChatResult, request: ChatRequest) -> list[bytes]:
     # Text arrives as deltas, each functionCall whole in its own chunk.
     pieces = [[{"text": t, "thought": True}] for t in chunk_text(_thought(result, request))]
     pieces += [[{"text": t}] for t in chunk_text(result["text"])]
@@ -457,3 +467,12 @@ _STATUS = {"invalid_request": "INVALID_ARGUMENT", "context_too_long": "INVALID_A
 def error(status: int, message: str, kind: str | None = None) -> dict:
     code = _STATUS.get(kind or "") or _STATUS[kind_for_status(status)]
     return {"error": {"code": status, "message": message, "status": code}}
+
+
+def stream_content_type(request: ChatRequest) -> str:
+    # Without alt=sse, Google streams one JSON array instead of SSE.
+    return SSE if request["provider"].get("alt_sse") else "application/json"
+
+
+def stream_keepalive(request: ChatRequest, created: int) -> StreamKeepalive:
+    return _KEEPALIVE

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from .chat import (UnsupportedContent, chunk_text, expect_type,
-                   int_or_none, json_response_format, kind_for_status, merge_system_first,
-                   model_and_messages, new_request, number_or_none, parts_text, require,
-                   sse_event, text_part)
+from .chat import (COMMENT_KEEPALIVE, SSE, ChatRequest, ChatResult, MalformedRequest, Message, Part,
+                   ResponseFormat, StreamKeepalive, Tool, ToolCall, ToolChoice, UnsupportedContent,
+                   choice_mode, chunk_text, dumps, expect_type, int_or_none, json_response_format,
+                   kind_for_status, merge_system_first, model_and_messages, new_request,
+                   number_or_none, parts_text, require, sse_event, text_part)
 
 STYLE = "openai_chat"
+OVERLOADED_STATUS = 503
 
 # Fields the backend is given; everything else is recorded as dropped.
 _HANDLED = {"model", "messages", "stream", "tools", "tool_choice", "parallel_tool_calls",
@@ -17,7 +19,7 @@ _HANDLED = {"model", "messages", "stream", "tools", "tool_choice", "parallel_too
             "stop", "response_format", "reasoning_effort", "n", "functions", "function_call"}
 
 
-def to_chat(body: dict, path: str = "") -> dict:
+def to_chat(body: Any, path: str = "") -> ChatRequest:
     model, messages = model_and_messages(body)
     n = body.get("n")
     if n not in (None, 1):
@@ -50,7 +52,7 @@ def to_chat(body: dict, path: str = "") -> dict:
     return req
 
 
-def _message(m: Any, i: int) -> dict:
+def _message(m: Any, i: int) -> Message:
     where = f"messages[{i}]"
     expect_type(m, dict, where)
     role = m.get("role")
@@ -66,7 +68,7 @@ def _message(m: Any, i: int) -> dict:
         require(isinstance(call_id, str), f"{where}.tool_call_id: a string is required")
         return {"role": "tool", "content": [text_part(_text_content(m.get("content"), where))],
                 "tool_call_id": call_id, "name": m.get("name"), "is_error": False}
-    out = {"role": role, "content": _content(m.get("content"), where)}
+    out: Message = {"role": role, "content": _content(m.get("content"), where)}
     if role == "assistant":
         calls = [_tool_call(c, f"{where}.tool_calls[{j}]")
                  for j, c in enumerate(m.get("tool_calls") or [])]
@@ -84,13 +86,13 @@ def _message(m: Any, i: int) -> dict:
     return out
 
 
-def _content(content: Any, where: str) -> list[dict]:
+def _content(content: Any, where: str) -> list[Part]:
     if content is None:
         return []
     if isinstance(content, str):
         return [text_part(content)] if content else []
     expect_type(content, list, f"{where}.content")
-    parts = []
+    parts: list[Part] = []
     for j, p in enumerate(content):
         expect_type(p, dict, f"{where}.content[{j}]")
         kind = p.get("type")
@@ -99,7 +101,8 @@ def _content(content: Any, where: str) -> list[dict]:
         elif kind == "image_url":
             url = p.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url
-            require(isinstance(url, str), f"{where}.content[{j}].image_url.url: string required")
+            if not isinstance(url, str):
+                raise MalformedRequest(f"{where}.content[{j}].image_url.url: string required")
             parts.append({"type": "image", "url": url})
         elif kind == "refusal":
             parts.append(text_part(p.get("refusal") or ""))
@@ -113,7 +116,7 @@ def _text_content(content: Any, where: str) -> str:
     return parts_text(p for p in _content(content, where) if p["type"] == "text")
 
 
-def _tool_call(c: Any, where: str) -> dict:
+def _tool_call(c: Any, where: str) -> ToolCall:
     expect_type(c, dict, where)
     if c.get("type") == "custom":
         custom = expect_type(c.get("custom"), dict, f"{where}.custom")
@@ -123,14 +126,13 @@ def _tool_call(c: Any, where: str) -> dict:
     fn = expect_type(c.get("function"), dict, f"{where}.function")
     args = fn.get("arguments")
     if isinstance(args, dict):  # some clients send an object instead of JSON text
-        from .chat import dumps
         args = dumps(args)
     return {"id": expect_type(c.get("id"), str, f"{where}.id"),
             "name": expect_type(fn.get("name"), str, f"{where}.function.name"),
             "arguments": args if isinstance(args, str) else "{}", "kind": "function"}
 
 
-def _tool(t: Any, i: int) -> dict:
+def _tool(t: Any, i: int) -> Tool:
     where = f"tools[{i}]"
     expect_type(t, dict, where)
     if t.get("type") == "custom":
@@ -146,7 +148,7 @@ def _tool(t: Any, i: int) -> dict:
             "kind": "function", "format": None}
 
 
-def _legacy_function(f: Any, i: int) -> dict:
+def _legacy_function(f: Any, i: int) -> Tool:
     expect_type(f, dict, f"functions[{i}]")
     return {"name": expect_type(f.get("name"), str, f"functions[{i}].name"),
             "description": f.get("description") or "",
@@ -154,15 +156,15 @@ def _legacy_function(f: Any, i: int) -> dict:
             "kind": "function", "format": None}
 
 
-def _tool_choice(choice: Any):
+def _tool_choice(choice: Any) -> ToolChoice:
     if choice is None:
         return None
     if isinstance(choice, str):
-        require(choice in ("auto", "none", "required"), f"tool_choice: unknown value {choice!r}")
-        return choice
+        return choice_mode(choice, "tool_choice")
     expect_type(choice, dict, "tool_choice")
     if choice.get("type") == "allowed_tools":
-        return choice.get("allowed_tools", {}).get("mode", "auto")
+        allowed: Any = choice.get("allowed_tools", {})
+        return allowed.get("mode", "auto")   # as sent: the backend judges it
     name = (choice.get("function") or choice.get("custom") or choice).get("name")
     require(isinstance(name, str), "tool_choice: a function name is required")
     return {"name": name}
@@ -177,7 +179,7 @@ def _stop(stop: Any) -> list[str]:
     return [expect_type(s, str, "stop[]") for s in stop]
 
 
-def _response_format(rf: Any):
+def _response_format(rf: Any) -> ResponseFormat | None:
     if rf is None:
         return None
     expect_type(rf, dict, "response_format")
@@ -190,7 +192,7 @@ def _response_format(rf: Any):
 
 # ---- responses ------------------------------------------------------------------------
 
-def _message_out(result: dict) -> dict:
+def _message_out(result: ChatResult) -> dict:
     msg: dict = {"role": "assistant", "content": result["text"] or None, "refusal": None}
     if result.get("reasoning"):
         msg["reasoning_content"] = result["reasoning"]
@@ -199,20 +201,20 @@ def _message_out(result: dict) -> dict:
     return msg
 
 
-def _call_out(c: dict) -> dict:
+def _call_out(c: ToolCall) -> dict:
     if c["kind"] == "custom":
         return {"id": c["id"], "type": "custom", "custom": {"name": c["name"], "input": c["arguments"]}}
     return {"id": c["id"], "type": "function",
             "function": {"name": c["name"], "arguments": c["arguments"]}}
 
 
-def _usage(result: dict) -> dict:
+def _usage(result: ChatResult) -> dict:
     u = result["usage"]
     return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
             "total_tokens": u["prompt_tokens"] + u["completion_tokens"]}
 
 
-def from_chat(result: dict, request: dict) -> dict:
+def from_chat(result: ChatResult, request: ChatRequest) -> dict:
     return {"id": result["id"], "object": "chat.completion", "created": result["created"],
             "model": request["model"], "system_fingerprint": None,
             "choices": [{"index": 0, "message": _message_out(result), "logprobs": None,
@@ -220,17 +222,18 @@ def from_chat(result: dict, request: dict) -> dict:
             "usage": _usage(result)}
 
 
-def stream(result: dict, request: dict) -> list[bytes]:
+def stream(result: ChatResult, request: ChatRequest) -> list[bytes]:
     base = {"id": result["id"], "object": "chat.completion.chunk", "created": result["created"],
             "model": request["model"], "system_fingerprint": None}
 
-    def chunk(delta: dict, finish=None) -> bytes:
+    def chunk(delta: dict, finish: str | None = None) -> bytes:
         return sse_event(base | {"choices": [{"index": 0, "delta": delta, "logprobs": None,
                                               "finish_reason": finish}]})
 
     events = [chunk({"role": "assistant", "content": ""})]
-    if result.get("reasoning"):
-        events += [chunk({"reasoning_content": piece}) for piece in chunk_text(result["reasoning"])]
+    reasoning = result.get("reasoning")
+    if reasoning:
+        events += [chunk({"reasoning_content": piece}) for piece in chunk_text(reasoning)]
     events += [chunk({"content": piece}) for piece in chunk_text(result["text"])]
     for index, call in enumerate(result["tool_calls"]):
         head = _call_out(call)
@@ -259,3 +262,11 @@ def error(status: int, message: str, kind: str | None = None) -> dict:
     code = {"context_too_long": "context_length_exceeded", "not_found": "model_not_found",
             "timeout": "timeout", "overloaded": "overloaded"}.get(kind)
     return {"error": {"message": message, "type": _TYPES[kind], "param": None, "code": code}}
+
+
+def stream_content_type(request: ChatRequest) -> str:
+    return SSE
+
+
+def stream_keepalive(request: ChatRequest, created: int) -> StreamKeepalive:
+    return COMMENT_KEEPALIVE

@@ -6,30 +6,34 @@ every turn, so `previous_response_id` (server-side state) is refused with a clea
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 
 from . import openai_chat
-from .chat import (MalformedRequest, UnsupportedContent, chunk_text, dumps, expect_type,
-                   int_or_none, json_response_format, kind_for_status, merge_system_first,
-                   new_request, number_or_none, require, sse_event, stable_id, suffix_of,
-                   text_part)
+from .chat import (SSE, ChatRequest, ChatResult, MalformedRequest, Message, Part, Provider, Reasoning, Role,
+                   ResponseFormat, StreamKeepalive, Tool, ToolCall, ToolChoice, UnsupportedContent,
+                   choice_mode, chunk_text, dumps, expect_type, int_or_none, json_response_format,
+                   kind_for_status, merge_system_first, new_request, number_or_none, require,
+                   sse_event, stable_id, suffix_of, text_part)
 
 STYLE = "openai_responses"
+OVERLOADED_STATUS = 503
 
 # Top-level fields the backend is given; everything else is recorded as dropped.
 _HANDLED = {"model", "input", "instructions", "stream", "tools", "tool_choice",
             "parallel_tool_calls", "max_output_tokens", "temperature", "top_p", "text",
             "reasoning", "previous_response_id"}
-_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+_ROLES: dict[str, Role] = {"user": "user", "assistant": "assistant", "system": "system",
+                           "developer": "system"}
 _TEXT_PARTS = {"input_text", "output_text", "text", "summary_text", "reasoning_text"}
 
 
-def to_chat(body: dict, path: str = "") -> dict:
+def to_chat(body: Any, path: str = "") -> ChatRequest:
     expect_type(body, dict, "request body")
     model = body.get("model")
-    require(isinstance(model, str) and model, "model: a non-empty string is required")
+    if not (isinstance(model, str) and model):
+        raise MalformedRequest("model: a non-empty string is required")
     if body.get("previous_response_id") is not None:
         raise UnsupportedContent("previous_response_id needs server-side state; "
                                  "send the full input (store: false)")
@@ -43,10 +47,11 @@ def to_chat(body: dict, path: str = "") -> dict:
     items = body.get("input")
     if isinstance(items, str):
         conv.add({"role": "user", "content": [text_part(items)] if items else []})
-    else:
-        require(isinstance(items, list), "input: a string or an array of items is required")
+    elif isinstance(items, list):
         for i, item in enumerate(items):
             _item(conv, item, i)
+    else:
+        raise MalformedRequest("input: a string or an array of items is required")
     if body.get("tools") is not None:
         conv.tools += _tools(conv, body["tools"], "tools")
     req["messages"] = merge_system_first(conv.messages, conv.system)
@@ -70,16 +75,16 @@ def to_chat(body: dict, path: str = "") -> dict:
 class _Conversation:
     """What the input items add up to while they are read in order."""
 
-    def __init__(self):
-        self.messages: list[dict] = []
-        self.system: list[dict] = []      # instructions + developer/system text, in order
-        self.tools: list[dict] = []
+    def __init__(self) -> None:
+        self.messages: list[Message] = []
+        self.system: list[Part] = []      # instructions + developer/system text, in order
+        self.tools: list[Tool] = []
         self.dropped: list[str] = []
         self.namespaces: dict[str, str] = {}
         self.call_names: dict[str, str] = {}
-        self._open: dict | None = None    # the assistant message model-side items join
+        self._open: Message | None = None   # the assistant message model-side items join
 
-    def assistant(self) -> dict:
+    def assistant(self) -> Message:
         # Consecutive model-side items (message, reasoning, calls) are ONE assistant turn,
         # so parallel tool calls stay in one message as chat templates expect.
         if self._open is None:
@@ -87,7 +92,7 @@ class _Conversation:
             self.messages.append(self._open)
         return self._open
 
-    def add(self, message: dict) -> None:
+    def add(self, message: Message) -> None:
         self._open = None
         self.messages.append(message)
 
@@ -114,6 +119,7 @@ def _item(conv: _Conversation, item: Any, i: int) -> None:
     elif kind in ("function_call", "custom_tool_call"):
         call_id = expect_type(item.get("call_id"), str, f"{where}.call_id")
         name = expect_type(item.get("name"), str, f"{where}.name")
+        call: ToolCall
         if kind == "function_call":
             args = item.get("arguments")
             if isinstance(args, dict):  # lenient: an object instead of JSON text
@@ -129,7 +135,7 @@ def _item(conv: _Conversation, item: Any, i: int) -> None:
         call_id = expect_type(item.get("call_id"), str, f"{where}.call_id")
         output = item.get("output")
         # Codex sends an array of parts for custom_tool_call_output (code mode).
-        content = [text_part(output)] if isinstance(output, str) else \
+        content: list[Part] = [text_part(output)] if isinstance(output, str) else \
             _parts(expect_type(output, list, f"{where}.output"), f"{where}.output")
         conv.add({"role": "tool", "content": content, "tool_call_id": call_id,
                   "name": conv.call_names.get(call_id), "is_error": False})
@@ -159,7 +165,7 @@ def _reasoning_item(conv: _Conversation, item: dict, where: str) -> None:
         msg["reasoning"] = f"{msg['reasoning']}\n\n{text}" if msg.get("reasoning") else text
 
 
-def _content(content: Any, where: str) -> list[dict]:
+def _content(content: Any, where: str) -> list[Part]:
     if content is None:
         return []
     if isinstance(content, str):
@@ -167,8 +173,8 @@ def _content(content: Any, where: str) -> list[dict]:
     return _parts(expect_type(content, list, f"{where}.content"), f"{where}.content")
 
 
-def _parts(parts: list, where: str) -> list[dict]:
-    out = []
+def _parts(parts: list, where: str) -> list[Part]:
+    out: list[Part] = []
     for j, p in enumerate(parts):
         at = f"{where}[{j}]"
         expect_type(p, dict, at)
@@ -197,9 +203,9 @@ def _json_text(value: Any, where: str) -> str:
         raise MalformedRequest(f"{where}: not JSON-serialisable") from None
 
 
-def _tools(conv: _Conversation, tools: Any, where: str, namespace: str | None = None) -> list[dict]:
+def _tools(conv: _Conversation, tools: Any, where: str, namespace: str | None = None) -> list[Tool]:
     expect_type(tools, list, where)
-    out = []
+    out: list[Tool] = []
     for j, t in enumerate(tools):
         at = f"{where}[{j}]"
         expect_type(t, dict, at)
@@ -213,7 +219,7 @@ def _tools(conv: _Conversation, tools: Any, where: str, namespace: str | None = 
             continue
         name = expect_type(t.get("name"), str, f"{at}.name")
         description = t.get("description")
-        tool = {"name": name, "kind": kind, "parameters": {}, "format": None,
+        tool: Tool = {"name": name, "kind": kind, "parameters": {}, "format": None,
                 "description": "" if description is None else
                 expect_type(description, str, f"{at}.description")}
         if kind == "function":
@@ -228,7 +234,7 @@ def _tools(conv: _Conversation, tools: Any, where: str, namespace: str | None = 
     return out
 
 
-def _unique_tools(conv: _Conversation) -> list[dict]:
+def _unique_tools(conv: _Conversation) -> list[Tool]:
     # Namespaces are flattened to plain names; a clash would confuse the model, keep the first.
     seen: set[str] = set()
     out = []
@@ -241,25 +247,22 @@ def _unique_tools(conv: _Conversation) -> list[dict]:
     return out
 
 
-def _tool_choice(conv: _Conversation, choice: Any):
+def _tool_choice(conv: _Conversation, choice: Any) -> ToolChoice:
     if choice is None:
         return None
     if isinstance(choice, str):
-        require(choice in ("auto", "none", "required"), f"tool_choice: unknown value {choice!r}")
-        return choice
+        return choice_mode(choice, "tool_choice")
     expect_type(choice, dict, "tool_choice")
     kind = choice.get("type")
     if kind in ("function", "custom"):
         return {"name": expect_type(choice.get("name"), str, "tool_choice.name")}
     if kind == "allowed_tools":
-        mode = choice.get("mode", "auto")
-        require(mode in ("auto", "required"), f"tool_choice.mode: unknown value {mode!r}")
-        return mode
+        return choice_mode(choice.get("mode", "auto"), "tool_choice.mode", ("auto", "required"))
     conv.dropped.append(f"tool_choice.{kind}")  # a hosted tool: let the model choose
     return "auto"
 
 
-def _text(conv: _Conversation, text: Any):
+def _text(conv: _Conversation, text: Any) -> ResponseFormat | None:
     if text is None:
         return None
     expect_type(text, dict, "text")
@@ -271,7 +274,7 @@ def _text(conv: _Conversation, text: Any):
     return json_response_format(fmt.get("type"), fmt.get("name"), fmt.get("schema"), "text.format")
 
 
-def _reasoning(conv: _Conversation, provider: dict, reasoning: Any):
+def _reasoning(conv: _Conversation, provider: Provider, reasoning: Any) -> Reasoning | None:
     if reasoning is None:
         return None
     expect_type(reasoning, dict, "reasoning")
@@ -291,22 +294,24 @@ def _bool(value: Any, where: str) -> bool | None:
 
 # ---- responses ------------------------------------------------------------------------
 
-def _status(result: dict) -> str:
+def _status(result: ChatResult) -> str:
     return "incomplete" if result["finish_reason"] in ("length", "content_filter") else "completed"
 
 
-def _output(result: dict, request: dict) -> list[dict]:
+def _output(result: ChatResult, request: ChatRequest) -> list[dict]:
     """The output items; ids derive from the result id so JSON and stream agree."""
     items: list[dict] = []
-    if result.get("reasoning"):
+    reasoning = result.get("reasoning")
+    if reasoning:
         items.append({"type": "reasoning", "id": stable_id("rs_", result["id"]),
-                      "summary": [{"type": "summary_text", "text": result["reasoning"]}]})
+                      "summary": [{"type": "summary_text", "text": reasoning}]})
     if result["text"]:
         items.append({"type": "message", "id": stable_id("msg_", result["id"]),
                       "status": _status(result), "role": "assistant",
                       "content": [{"type": "output_text", "text": result["text"], "annotations": []}]})
     namespaces = request["provider"].get("namespaces") or {}
     for call in result["tool_calls"]:
+        item: dict[str, Any]
         if call["kind"] == "custom":
             item = {"type": "custom_tool_call", "id": "ctc_" + suffix_of(call["id"]),
                     "call_id": call["id"], "name": call["name"], "input": call["arguments"]}
@@ -320,7 +325,7 @@ def _output(result: dict, request: dict) -> list[dict]:
     return items
 
 
-def _usage(result: dict) -> dict:
+def _usage(result: ChatResult) -> dict:
     u = result["usage"]
     return {"input_tokens": u["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
@@ -329,7 +334,7 @@ def _usage(result: dict) -> dict:
             "total_tokens": u["prompt_tokens"] + u["completion_tokens"]}
 
 
-def _tool_out(t: dict) -> dict:
+def _tool_out(t: Tool) -> dict:
     if t["kind"] == "custom":
         return {"type": "custom", "name": t["name"], "description": t["description"],
                 "format": t["format"] or {"type": "text"}}
@@ -337,7 +342,7 @@ def _tool_out(t: dict) -> dict:
             "parameters": t["parameters"], "strict": None}
 
 
-def _choice_out(request: dict):
+def _choice_out(request: ChatRequest) -> dict | str:
     choice = request["tool_choice"]
     if isinstance(choice, dict):
         kind = next((t["kind"] for t in request["tools"] if t["name"] == choice["name"]), "function")
@@ -345,7 +350,7 @@ def _choice_out(request: dict):
     return choice or "auto"
 
 
-def _format_out(rf: dict | None) -> dict:
+def _format_out(rf: ResponseFormat | None) -> dict:
     if rf is None:
         return {"type": "text"}
     if rf["type"] == "json_schema":
@@ -353,7 +358,7 @@ def _format_out(rf: dict | None) -> dict:
     return {"type": "json_object"}
 
 
-def _response(result: dict, request: dict, status: str, output: list[dict], usage: bool) -> dict:
+def _response(result: ChatResult, request: ChatRequest, status: str, output: list[dict], usage: bool) -> dict:
     incomplete = None
     if status == "incomplete":
         reason = "content_filter" if result["finish_reason"] == "content_filter" else "max_output_tokens"
@@ -375,14 +380,14 @@ def _response(result: dict, request: dict, status: str, output: list[dict], usag
             "usage": _usage(result) if usage else None, "user": None}
 
 
-def from_chat(result: dict, request: dict) -> dict:
+def from_chat(result: ChatResult, request: ChatRequest) -> dict:
     return _response(result, request, _status(result), _output(result, request), usage=True)
 
 
-def stream(result: dict, request: dict) -> list[bytes]:
+def stream(result: ChatResult, request: ChatRequest) -> list[bytes]:
     events: list[bytes] = []
 
-    def emit(kind: str, **data) -> None:
+    def emit(kind: str, **data: Any) -> None:
         events.append(sse_event({"type": kind, "sequence_number": len(events), **data}, event=kind))
 
     head = _response(result, request, "in_progress", [], usage=False)
@@ -398,7 +403,7 @@ def stream(result: dict, request: dict) -> list[bytes]:
     return events
 
 
-def _stream_item(emit, index: int, item: dict) -> None:
+def _stream_item(emit: Callable[..., None], index: int, item: dict) -> None:
     at = {"item_id": item["id"], "output_index": index}
     kind = item["type"]
     if kind == "reasoning":
@@ -440,33 +445,26 @@ def error(status: int, message: str, kind: str | None = None) -> dict:
     return body
 
 
-def failed_event(message: str, code: str = "server_error", *, request: dict | None = None,
-                 response_id: str | None = None, sequence_number: int = 0) -> bytes:
-    """A response.failed event for a failure after the stream began. Codex maps the codes
-    context_length_exceeded, insufficient_quota and rate_limit_exceeded specially."""
-    response = {"id": response_id or stable_id("resp_", "failed", message), "object": "response",
-                "created_at": 0, "status": "failed", "error": {"code": code, "message": message},
-                "incomplete_details": None, "instructions": None, "metadata": {},
-                "model": (request or {}).get("model", ""), "output": [],
-                "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "usage": None}
-    return sse_event({"type": "response.failed", "sequence_number": sequence_number,
-                      "response": response}, event="response.failed")
+def stream_content_type(request: ChatRequest) -> str:
+    return SSE
 
 
-def stream_keepalive(request: dict, created: int) -> tuple[bytes, bytes, int]:
+def stream_keepalive(request: ChatRequest, created: int) -> StreamKeepalive:
     """(head, tick, events of stream() the head replaces) for a long generation. Codex's
     idle timer counts SSE events, not comment lines, so the keepalive carries data:
     response.created and .in_progress at once, then .in_progress again each interval,
     which clients take as nothing new. The answer's own two opening events are then left
     out. Clients check that the response id never changes: request["response_id"] must be
     set, and the answer made from the same request."""
-    head_obj = _response({"id": "", "created": created, "finish_reason": "stop"},
-                         request, "in_progress", [], usage=False)
+    nothing_yet: ChatResult = {"id": "", "created": created, "model": "", "text": "", "reasoning": None,
+                               "tool_calls": [], "finish_reason": "stop", "stop_sequence": None,
+                               "usage": {"prompt_tokens": 0, "completion_tokens": 0}}
+    head_obj = _response(nothing_yet, request, "in_progress", [], usage=False)
     head = (sse_event({"type": "response.created", "sequence_number": 0, "response": head_obj},
                       event="response.created")
             + sse_event({"type": "response.in_progress", "sequence_number": 1, "response": head_obj},
                         event="response.in_progress"))
     tick = sse_event({"type": "response.in_progress", "sequence_number": 1, "response": head_obj},
                      event="response.in_progress")
-    return head, tick, 2
+    return StreamKeepalive(head, tick, 2)
 

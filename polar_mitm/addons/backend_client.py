@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import orjson
 from mitmproxy import ctx, exceptions
@@ -69,6 +70,11 @@ class BackendClient:
     def done(self):
         self._close()
 
+    def _http(self) -> BackendHTTP:
+        if self.client is None:   # before configure, or after done
+            raise RuntimeError("the backend client is not configured")
+        return self.client
+
     def _close(self) -> None:
         client, self.client = self.client, None
         if client is not None:
@@ -108,7 +114,7 @@ class BackendClient:
         if isinstance(body, dict):
             body = orjson.dumps(body)
         try:
-            resp = await self.client.request("POST", path, body, _JSON)
+            resp = await self._http().request("POST", path, body, _JSON)
         except HTTPTimeout:
             raise BackendTimeout(f"the model backend did not answer within {self.timeout}s") from None
         except HTTPError as e:
@@ -119,10 +125,10 @@ class BackendClient:
 
     async def served(self) -> str:
         """The model asked for, and the backend's context length, from its model list (once)."""
-        if self._listed:
+        if self._listed and self.served_model is not None:
             return self.served_model
         try:
-            resp = await self.client.request("GET", "/v1/models", timeout=10)
+            resp = await self._http().request("GET", "/v1/models", timeout=10)
             models = orjson.loads(resp.content)["data"]
             wanted = self.served_model or models[0]["id"]
             entry = next((m for m in models if m["id"] == wanted), models[0])
@@ -131,14 +137,14 @@ class BackendClient:
             self._listed = True
         except (HTTPError, ValueError, KeyError, IndexError, TypeError):
             raise BackendUnavailable("the model backend is unavailable (no model list)") from None
-        return self.served_model
+        return wanted
 
     async def swap_weights(self, checkpoint: str, version: int, wake: bool = False) -> dict[str, float]:
         """vLLM (dev mode) reloads the checkpoint in place, forgets its prefix cache (keys
         and values of the old weights) and takes the version as its own tag. wake: it slept
         (sleep() below): its weights' memory comes back first, the reload fills it, and
         only then its KV cache's, so the two never peak together."""
-        steps = [("wake", "/wake_up?tags=weights", {})] if wake else []
+        steps: list[tuple[str, str, dict[str, Any]]] = [("wake", "/wake_up?tags=weights", {})] if wake else []
         steps += [("reload", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": checkpoint}})]
         steps += [("wake", "/wake_up?tags=kv_cache", {})] if wake else []
         steps += [("reset", "/reset_prefix_cache", {}), ("reset", "/update_weight_version", {"new_version": str(version)})]

@@ -4,10 +4,12 @@
                    connections (first, so it configures before any option can fail)
     ProxyUsers     the HTTPS_PROXY user on CONNECT (it names the session)
     BackendClient  the vLLM client, built in configure from --set options, closed in done
+    Recorder       the call writer (polar_db): every call is durable before it is answered
     WeightSync     /_polar/sync: hold calls, drain, reload vLLM's weights, next version
     ModelCalls     model calls: to vLLM and back in the harness's format, recorded first;
                    long streaming calls go through the loopback StreamRelay for keepalives
-    LocalAnswers   everything else (telemetry, model lists, token counts, health)
+    Health         /_polar/health: loaded and answering, and how recording goes
+    LocalAnswers   everything else (telemetry, model lists, token counts)
     Unanswered     a 500 for whatever no addon answered: nothing goes upstream
 
 Everything is answered here (connection_strategy=lazy, upstream_cert=false), so nothing a
@@ -18,9 +20,11 @@ from __future__ import annotations
 from .backend_client import BackendClient, BackendTimeout, BackendUnavailable  # noqa: F401
 from .backstop import Backstop, Unanswered
 from .bodies import BodyTooLarge  # noqa: F401
-from .local_answers import HEALTH_PATH, LocalAnswers  # noqa: F401
+from .health import HEALTH_PATH, Health  # noqa: F401
+from .local_answers import LocalAnswers
 from .model_calls import ModelCalls, parse_overrides  # noqa: F401
 from .proxy_users import ProxyUsers
+from .recorder import Recorder
 from .relay import StreamRelay
 from .weight_sync import SYNC_PATH, WeightSync  # noqa: F401
 
@@ -28,16 +32,18 @@ from .weight_sync import SYNC_PATH, WeightSync  # noqa: F401
 class PolarGateway:
     """The addons wired together; mitmproxy loads the nested `addons` in this order."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.relay = StreamRelay()
         self.backstop = Backstop(self.relay.addresses)
         self.users = ProxyUsers()
         self.backend = BackendClient()
+        self.recorder = Recorder()
         self.sync = WeightSync(self.backend)
-        self.model_calls = ModelCalls(self.backend, self.users, self.relay, self.sync.gate)
+        self.model_calls = ModelCalls(self.backend, self.users, self.relay, self.recorder, self.sync.gate)
+        self.health = Health(self.recorder, self.model_calls, self.relay, self.sync.gate)
         self.local = LocalAnswers(self.backend, self.model_calls)
-        self.addons = [self.backstop, self.users, self.backend, self.sync, self.model_calls, self.local,
-                       Unanswered(self.relay.addresses)]
+        self.addons = [self.backstop, self.users, self.backend, self.recorder, self.sync, self.model_calls,
+                       self.health, self.local, Unanswered(self.relay.addresses)]
 
 
 addons = [PolarGateway()]

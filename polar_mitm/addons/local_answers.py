@@ -1,11 +1,13 @@
 """Local answers: everything that is not a model call (telemetry, feature flags, model lists,
-token counts, WebSocket attempts, the health check) is answered here at once, so harness
-runs never hang on it, and none of it is forwarded."""
+token counts, WebSocket attempts) is answered here at once, so harness runs never hang on
+it, and none of it is forwarded. (The health check is the Health addon's.)"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
-from mitmproxy import ctx, http
+from mitmproxy import http
 
 from polar_mitm import adapters
 from polar_mitm.adapters import backend
@@ -15,18 +17,17 @@ from polar_mitm.adapters.detect import is_count_tokens, split_path
 from . import sessions
 from .backend_client import BackendClient
 from .bodies import is_websocket
-from .model_calls import ModelCalls, overloaded_status, read_body
+from .model_calls import ModelCalls, read_body
 from .relay import META
 
 _JSON = {"content-type": "application/json"}
-HEALTH_PATH = "/_polar/health"
 
 
 class LocalAnswers:
     def __init__(self, backend_client: BackendClient, model_calls: ModelCalls):
         self.backend, self.model_calls = backend_client, model_calls
 
-    async def request(self, flow: http.HTTPFlow):
+    async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None or META in flow.metadata:
             return
         try:
@@ -35,27 +36,10 @@ class LocalAnswers:
             # mitmdump prints the URL of every flow: a ?key= secret must not reach its log.
             flow.request.path = sessions.redact_query(flow.request.path)
 
-    async def _answer(self, flow: http.HTTPFlow):
+    async def _answer(self, flow: http.HTTPFlow) -> None:
         req = flow.request
         path, _ = split_path(req.path)
-        if path == HEALTH_PATH:  # launchers check that the addon is loaded and answering
-            writer = self.model_calls.writer
-            loader = writer.health() if writer else None
-            # "ok" only while calls also reach the database; a loader that keeps failing
-            # is "degraded" (calls are still acknowledged: they wait, durable, in the log)
-            status = "degraded" if loader and loader["state"] == "failing" else "ok"
-            flow.response = http.Response.make(200, orjson.dumps(
-                {"polar": status, "db": ctx.options.polar_db, "calls": self.model_calls.calls,
-                 "streams_kept_alive": self.model_calls.relay.handed_over,
-                 # the loader's bulk loads into DuckDB, and those that failed (to be retried)
-                 "loads": writer.loads if writer else 0,
-                 "load_errors": writer.load_errors if writer else 0,
-                 # acknowledged calls still only in the call log (readers get them on asking)
-                 "log_pending": writer.pending_lines if writer else 0,
-                 "loader": loader,
-                 # the version sampling new calls; holding: a weight sync is under way
-                 "policy": self.model_calls.gate.state()}), _JSON)
-        elif is_websocket(req):
+        if is_websocket(req):
             # Codex tries Responses-over-WebSocket first and falls back to HTTPS on 404.
             flow.response = http.Response.make(404, b'{"error": "websocket transport not offered"}', _JSON)
         elif req.method == "POST" and is_count_tokens(path):
@@ -71,7 +55,7 @@ class LocalAnswers:
         else:
             flow.response = http.Response.make(204, b"")
 
-    async def _model_list(self, path: str) -> dict:
+    async def _model_list(self, path: str) -> dict[str, Any]:
         try:
             name = await self.backend.served()
         except AdapterError:
@@ -84,19 +68,19 @@ class LocalAnswers:
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
                                             "owned_by": "polar-mitm"}]}
 
-    async def _count_tokens(self, req: http.Request, body: dict) -> http.Response:
+    async def _count_tokens(self, req: http.Request, body: dict[str, Any]) -> http.Response:
         style = "google" if ":countTokens" in req.path else "anthropic"
-        mod = adapters.adapter(style)
+        adapter = adapters.adapter(style)
         try:
             if style == "google":
-                normalized = mod.to_chat(body.get("generateContentRequest") or body,
-                                         req.path.replace(":countTokens", ":generateContent"))
+                normalized = adapter.to_chat(body.get("generateContentRequest") or body,
+                                             req.path.replace(":countTokens", ":generateContent"))
             else:
-                normalized = mod.to_chat({"max_tokens": 1, **body})
+                normalized = adapter.to_chat({"max_tokens": 1, **body})
             served = await self.backend.served()
             count = await self.backend.tokenize(backend.to_backend(normalized, served))
         except AdapterError as e:   # the backend's failures included, as the client's error
-            status = overloaded_status(mod) if e.kind == "overloaded" else e.status
-            return http.Response.make(status, orjson.dumps(mod.error(status, str(e), e.kind)), _JSON)
+            status = adapter.OVERLOADED_STATUS if e.kind == "overloaded" else e.status
+            return http.Response.make(status, orjson.dumps(adapter.error(status, str(e), e.kind)), _JSON)
         answer = {"totalTokens": count} if style == "google" else {"input_tokens": count}
         return http.Response.make(200, orjson.dumps(answer), _JSON)

@@ -1,8 +1,8 @@
 """Model calls: a harness's API call goes to vLLM and comes back in the harness's own format,
 recorded (durably appended to the call log) before it is answered.
 
-Thin glue: the adapters translate, the BackendClient addon talks to vLLM, the store writes.
-Requests that are not model calls are left to the LocalAnswers addon."""
+Thin glue: the adapters translate, the BackendClient addon talks to vLLM, the Recorder addon
+writes. Requests that are not model calls are left to the LocalAnswers addon."""
 
 from __future__ import annotations
 
@@ -13,23 +13,27 @@ import logging
 import os
 import re
 import time
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import orjson
 from mitmproxy import ctx, exceptions, http
+from mitmproxy.addonmanager import Loader
 from mitmproxy.utils import human
 
 from polar_mitm import adapters
-from polar_mitm.adapters import backend
-from polar_mitm.adapters.chat import AdapterError
+from polar_mitm.adapters import Adapter, backend
+from polar_mitm.adapters.chat import AdapterError, ChatRequest
 from polar_mitm.adapters.detect import is_count_tokens, split_path
-from polar_mitm.store import CallWriter
+from polar_mitm.store import CallRecord, SessionInfo
 
 from . import sessions
 from .backend_client import BackendClient
-from .policy_gate import PolicyGate
 from .bodies import (BodyTooLarge, bounded, decoded_body, depth_ok, has_image, header_dict, is_websocket,
                      MAX_BODY_DEPTH)
+from .policy_gate import PolicyGate
 from .proxy_users import ProxyUsers
+from .recorder import Recorder
 from .relay import StreamRelay
 
 log = logging.getLogger("polar")
@@ -66,12 +70,7 @@ def parse_overrides(text: str) -> dict:
     return out
 
 
-def overloaded_status(mod) -> int:
-    # Anthropic clients retry 529 (overloaded); the other providers use 503.
-    return getattr(mod, "OVERLOADED_STATUS", 503)
-
-
-def read_body(req: http.Request, limit: int):
+def read_body(req: http.Request, limit: int) -> tuple[Any, bytes | None]:
     """(parsed JSON or an AdapterError or None, the body's bytes) of a POST body. The bytes
     are kept as they are (the log thread decodes them): no second copy per call in flight."""
     if req.method != "POST":
@@ -86,13 +85,52 @@ def read_body(req: http.Request, limit: int):
         return None, raw   # kept as sent; the call is a 400
 
 
+class Answer(NamedTuple):
+    status: int
+    content: bytes
+    headers: dict[str, str]
+
+
+@dataclass
+class Call:
+    """One model call in flight: its flow, provider and session, its record (filled in as
+    the call goes), and the adapter's translation of its body."""
+    flow: http.HTTPFlow
+    adapter: Adapter
+    session: SessionInfo
+    record: CallRecord
+    t0: float                              # perf_counter at its start: total_ms runs from it
+    request: ChatRequest | None = None     # None: the body could not be translated ...
+    rejected: Exception | None = None      # ... for this reason, answered as a failure
+
+
+def translate(adapter: Adapter, body: Any, path: str) -> ChatRequest:
+    """The adapter's chat shape of a request body; AdapterError when it has none."""
+    if isinstance(body, AdapterError):  # the body could not be read (too large, bad encoding)
+        raise body
+    if not isinstance(body, dict):
+        raise AdapterError("request body must be a JSON object")
+    try:
+        return adapter.to_chat(body, path)
+    except (RecursionError, orjson.JSONEncodeError) as e:
+        raise unforwardable(body, e) from None
+
+
+def unforwardable(body: Any, e: Exception) -> AdapterError:
+    # Depth is checked only here (~0.1 ms a call): what orjson cannot write (255+ levels)
+    # would fail the call's log line too. Depth in what the adapters drop (an unknown
+    # field) is harmless: the log keeps the request's bytes as sent.
+    if not depth_ok(body):
+        return AdapterError(f"request body is nested deeper than {MAX_BODY_DEPTH} levels")
+    return AdapterError(f"request body cannot be forwarded: {e}")
+
+
 class ModelCalls:
     def __init__(self, backend_client: BackendClient, users: ProxyUsers, relay: StreamRelay,
-                 gate: PolicyGate | None = None):
-        self.backend, self.users, self.relay = backend_client, users, relay
+                 recorder: Recorder, gate: PolicyGate | None = None):
+        self.backend, self.users, self.relay, self.recorder = backend_client, users, relay, recorder
         self.gate = gate or PolicyGate()   # which policy version samples each call
-        self.writer: CallWriter | None = None
-        self.overrides: dict = {}
+        self.overrides: dict[str, Any] = {}
         self.harness_sampling = False                       # polar_harness_sampling
         self.filters: dict[str, re.Pattern | None] = {}   # polar_model_hosts/_paths
         self.max_body = 64 * 1024 * 1024                    # polar_max_body, in bytes
@@ -101,8 +139,7 @@ class ModelCalls:
         self._prompt_sizes: dict[str, tuple[int, int]] = {}
         self.calls = 0
 
-    def load(self, loader):
-        loader.add_option("polar_db", str, "rollouts.duckdb", "DuckDB file the calls are written to.")
+    def load(self, loader: Loader) -> None:
         loader.add_option("polar_session_key", str, "auto",
                           "How calls are attributed to sessions: auto (proxy user, then API "
                           "key, then client), proxy-user, api-key, client.",
@@ -132,7 +169,7 @@ class ModelCalls:
                           "headers go out, followed by a keepalive comment every as many "
                           "seconds until the answer (0: off; the answer then goes out whole).")
 
-    def configure(self, updated):
+    def configure(self, updated: set[str]) -> None:
         if "polar_max_body" in updated:
             try:
                 limit = human.parse_size(ctx.options.polar_max_body)
@@ -167,29 +204,17 @@ class ModelCalls:
                 raise exceptions.OptionsError("polar_stream_keepalive: seconds from 0 (off) to 3600, "
                                               f"got {ctx.options.polar_stream_keepalive!r}")
             self.keepalive = seconds
-        if "polar_db" in updated and self.writer and self.writer.db_path != ctx.options.polar_db:
-            self.writer.close()
-            self.writer = None
 
-    async def running(self):
+    async def running(self) -> None:
         gc.freeze()   # what start-up made lives on: later collections need not scan it
-        self._ensure_writer()
         await self.relay.start()
 
-    def done(self):
+    def done(self) -> None:
         self.relay.close()
-        if self.writer:
-            self.writer.close()
-            self.writer = None
-
-    def _ensure_writer(self) -> CallWriter:
-        if self.writer is None:
-            self.writer = CallWriter(ctx.options.polar_db).start()
-        return self.writer
 
     # ---- hooks -------------------------------------------------------------------------
 
-    async def request(self, flow: http.HTTPFlow):
+    async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None:
             return
         try:
@@ -199,7 +224,7 @@ class ModelCalls:
             flow.response = http.Response.make(500, orjson.dumps(
                 {"error": {"message": "polar-mitm internal error", "type": "api_error"}}), _JSON)
 
-    async def _route(self, flow: http.HTTPFlow):
+    async def _route(self, flow: http.HTTPFlow) -> None:
         req = flow.request
         if not self.may_be_model_call(req) or is_count_tokens(req.path) or is_websocket(req):
             return
@@ -210,34 +235,32 @@ class ModelCalls:
         # mitmdump prints the URL of every flow: a ?key= secret must not reach its log.
         query = split_path(req.path)[1]
         req.path = sessions.redact_query(req.path)
-        shape: dict = {}
-        answer = asyncio.ensure_future(self.call(flow, style, body, text, query, shape))
+        call = self.begin(flow, style, body, text, query)
+        answer = asyncio.ensure_future(self.finish(call, body))
         del body   # the call holds it only as long as it needs it (see _serve)
-        if self.keepalive and self.relay.address:
+        request = call.request
+        if self.keepalive and self.relay.address and request is not None and request["stream"]:
             done, _ = await asyncio.wait({answer}, timeout=self.keepalive)
-            if not done and shape.get("stream"):
-                request = shape["request"]
+            if not done:
                 # The answer is not made yet (the backend is still generating): it takes this
                 # id, so the keepalive's opening events and the answer name one response.
                 request["response_id"] = "resp_" + new_id().replace("-", "")
-                self.relay.hand_over(flow, answer, shape["content_type"], self.keepalive,
-                                     adapters.stream_keepalive(request, int(time.time())))
+                self.relay.hand_over(flow, answer, call.adapter.stream_content_type(request), self.keepalive,
+                                     call.adapter.stream_keepalive(request, int(time.time())))
                 return
-        status, content, headers = await answer
-        flow.response = http.Response.make(status, content, headers)
+        flow.response = http.Response.make(*await answer)
 
-    def responseheaders(self, flow: http.HTTPFlow):
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
         self.relay.responseheaders(flow)
 
-    async def error(self, flow: http.HTTPFlow):
+    async def error(self, flow: http.HTTPFlow) -> None:
         # mitmproxy stopped reading a body over body_size_limit and answered 413 itself.
         if (flow.response is None and flow.error and "body_size_limit" in flow.error.msg
                 and self.may_be_model_call(flow.request)):
             style = adapters.detect(flow.request.method, flow.request.path, header_dict(flow.request))
             if style:
-                await self.call(flow, style, BodyTooLarge(
-                    f"request body is larger than polar_max_body ({self.max_body} bytes)"), None,
-                    split_path(flow.request.path)[1], {})
+                too_large = BodyTooLarge(f"request body is larger than polar_max_body ({self.max_body} bytes)")
+                await self.finish(self.begin(flow, style, too_large, None, split_path(flow.request.path)[1]), None)
 
     def may_be_model_call(self, req: http.Request) -> bool:
         hosts, paths = self.filters.get("polar_model_hosts"), self.filters.get("polar_model_paths")
@@ -246,90 +269,96 @@ class ModelCalls:
 
     # ---- one call ----------------------------------------------------------------------
 
-    async def call(self, flow: http.HTTPFlow, style: str, body, text: bytes | None, query: str,
-                   shape: dict) -> tuple[int, bytes, dict]:
-        """The answer (status, body, headers), recorded before it is returned. Never raises:
-        failures are answers in the client's error format."""
+    def begin(self, flow: http.HTTPFlow, style: str, body: Any, text: bytes | None, query: str) -> Call:
+        """A call's start: its session, its record, and its body in the chat shape (a body
+        that has none is the call's failure, which finish answers and records)."""
         t0 = time.perf_counter()
-        mod = adapters.adapter(style)
+        adapter = adapters.adapter(style)
         req = flow.request
         session = self._session(flow, query)
-        record = {"call_id": new_id(), "style": style, "method": req.method,
-                  "path": sessions.redact_query(req.path), "started_at": time.time(),
-                  # The harness's bytes as sent: the conversation is stored once, and its
-                  # normalized form is what the pure adapters make of it.
-                  "request_text": (f"<request body not kept: {body}>" if isinstance(body, AdapterError)
-                                   else text if text is not None else b""),
-                  "queue_ms": 0.0, "backend_ms": 0.0}
-        serve = self._serve(mod, body, req.path, record, session["session_id"], shape)
+        record = CallRecord(call_id=new_id(), style=style, method=req.method,
+                            path=sessions.redact_query(req.path), started_at=time.time(),
+                            # The harness's bytes as sent: the conversation is stored once, and
+                            # its normalized form is what the pure adapters make of it.
+                            request_text=(f"<request body not kept: {body}>" if isinstance(body, AdapterError)
+                                          else text if text is not None else b""),
+                            queue_ms=0.0, backend_ms=0.0)
+        call = Call(flow, adapter, session, record, t0)
+        try:
+            call.request = translate(adapter, body, req.path)
+        except Exception as e:   # answered and recorded like any failure, in finish
+            call.rejected = e
+        else:
+            record.stream = call.request["stream"]
+            record.requested_model = call.request["model"]
+            record.dropped = call.request["dropped"]
+        return call
+
+    async def finish(self, call: Call, body: Any) -> Answer:
+        """The answer, recorded before it is returned. Never raises: failures are answers in
+        the client's error format."""
+        record = call.record
+        serve = self._serve(call, body)
         del body
         try:
-            status, content, headers = await serve
+            answer = await serve
         except Exception as e:  # recorded like any failure; the harness gets its own error shape
             if not isinstance(e, AdapterError):
                 log.exception("polar: unexpected error in a model call")
-            status, kind = (e.status, e.kind) if isinstance(e, AdapterError) else (500, "backend_error")
-            if kind == "overloaded":
-                status = overloaded_status(mod)
-            # A bug's Python text goes to the log and the record, not to the harness.
-            message = (str(e) or type(e).__name__) if isinstance(e, AdapterError) \
-                else "polar-mitm internal error"
-            answer = mod.error(status, message, kind)
-            content, headers = orjson.dumps(answer), dict(_JSON)
-            record.update(status_code=status, response_json=answer, error=str(e)[:2000] or repr(e),
-                          error_kind=kind)
-            if "prompt_token_ids" not in record:   # rejected before any tokens: keep a bounded head
-                record["request_text"] = bounded(record["request_text"])
-        if record.get("error") is None and flow.client_conn.timestamp_end is not None:
+            answer = self._failed(call, e)
+        if record.error is None and call.flow.client_conn.timestamp_end is not None:
             # The harness gave up (its timeout, or it was stopped): kept, never trained on.
-            record.update(error="the client went away before the answer", error_kind="abandoned")
-        record["_t0"] = t0   # the writer stamps total_ms at the durable append the harness waits for
+            record.error, record.error_kind = "the client went away before the answer", "abandoned"
         try:
-            await self._ensure_writer().submit_async(session, record)
+            await self.recorder.record(call.session, record, call.t0)
         except Exception as e:  # not recorded -> not acknowledged: the harness retries
             log.error("polar: could not record call: %s", e)
-            status = overloaded_status(mod)
-            content = orjson.dumps(mod.error(status, f"recording failed: {e}", "overloaded"))
-            headers = dict(_JSON)
+            status = call.adapter.OVERLOADED_STATUS
+            answer = Answer(status, orjson.dumps(call.adapter.error(status, f"recording failed: {e}", "overloaded")),
+                            dict(_JSON))
         self.calls += 1
-        return status, content, headers
+        return answer
 
-    async def _serve(self, mod, body, path: str, record: dict, session_id: str,
-                     shape: dict) -> tuple[int, bytes, dict]:
-        """Translate, complete on the backend, answer in the client's format; fills record."""
-        if isinstance(body, AdapterError):  # the body could not be read (too large, bad encoding)
-            raise body
-        if not isinstance(body, dict):
-            raise AdapterError("request body must be a JSON object")
+    @staticmethod
+    def _failed(call: Call, e: Exception) -> Answer:
+        """A failed call's answer in the client's error format, and its record."""
+        status, kind = (e.status, e.kind) if isinstance(e, AdapterError) else (500, "backend_error")
+        if kind == "overloaded":
+            status = call.adapter.OVERLOADED_STATUS
+        # A bug's Python text goes to the log and the record, not to the harness.
+        message = (str(e) or type(e).__name__) if isinstance(e, AdapterError) else "polar-mitm internal error"
+        answer = call.adapter.error(status, message, kind)
+        record = call.record
+        record.status_code, record.response_json = status, answer
+        record.error, record.error_kind = str(e)[:2000] or repr(e), kind
+        if record.prompt_token_ids is None:   # rejected before any tokens: keep a bounded head
+            record.request_text = bounded(record.request_text or b"")
+        return Answer(status, orjson.dumps(answer), dict(_JSON))
+
+    async def _serve(self, call: Call, body: Any) -> Answer:
+        """Complete on the backend and answer in the client's format; fills the record."""
+        normalized, record, session_id = call.request, call.record, call.session.session_id
+        if normalized is None:   # the body has no chat shape: that is the call's failure
+            raise call.rejected or AdapterError("request body must be a JSON object")
+        text_len = len(record.request_text or b"")
         try:
-            normalized = mod.to_chat(body, path)
-            if normalized["stream"]:
-                shape.update(stream=True, content_type=adapters.stream_content_type(normalized),
-                             request=normalized)
-            record.update(stream=normalized["stream"], requested_model=normalized["model"],
-                          dropped=normalized["dropped"])
             served = await self.backend.served()
             backend_body = backend.to_backend(normalized, served, self.overrides, self.backend.max_model_len,
                                               harness_sampling=self.harness_sampling)
-            await self._fit_max_tokens(backend_body, session_id, len(record["request_text"]))
+            await self._fit_max_tokens(backend_body, session_id, text_len)
             # What vLLM got besides the conversation (sampling, max_tokens as fitted, flags),
             # and under `harness` what the harness asked for its sampling.
             params = {k: v for k, v in backend_body.items() if k not in ("messages", "tools")}
             params["harness"] = backend.requested_sampling(normalized)
-            record.update(served_model=served, backend_params=params)
+            record.served_model, record.backend_params = served, params
             payload = orjson.dumps(backend_body)
         except (RecursionError, orjson.JSONEncodeError) as e:
-            # Depth is checked only here (~0.1 ms a call): what orjson cannot write (255+
-            # levels) would fail the call's log line too. Depth in what the adapters drop
-            # (an unknown field) is harmless: the log keeps the request's bytes as sent.
-            if not depth_ok(body):
-                raise AdapterError(f"request body is nested deeper than {MAX_BODY_DEPTH} levels") from None
-            raise AdapterError(f"request body cannot be forwarded: {e}") from None
+            raise unforwardable(body, e) from None
         # While the backend generates, a call in flight keeps its bytes as sent (mitmproxy's
         # and the log's) and the request as the backend got it, not the parsed conversation
         # as well: 11 MB less at 64 clients (tracemalloc's peak, 58 -> 47 MB).
         del body, backend_body
-        normalized["messages"] = None
+        normalized["messages"] = []
         slots = self.backend.slots
         q0 = time.perf_counter()
         # Inside the gate the weights cannot change: a sync waits for this call, and a call
@@ -339,29 +368,29 @@ class ModelCalls:
                 await slots.acquire()
             try:
                 b0 = time.perf_counter()
-                record["queue_ms"] = (b0 - q0) * 1000
+                record.queue_ms = (b0 - q0) * 1000
                 resp_json, prompt_ids = await self.backend.complete(payload)
-                record["backend_ms"] = (time.perf_counter() - b0) * 1000
+                record.backend_ms = (time.perf_counter() - b0) * 1000
             finally:
                 if slots:
                     slots.release()
         result, tokens = backend.from_backend(resp_json, normalized)
-        answer = mod.from_chat(result, normalized)
-        self._prompt_sizes[session_id] = (len(record["request_text"]), result["usage"]["prompt_tokens"])
+        answer = call.adapter.from_chat(result, normalized)
+        usage = result["usage"]
+        self._prompt_sizes[session_id] = (text_len, usage["prompt_tokens"])
         if len(self._prompt_sizes) > 10_000:
             self._prompt_sizes.pop(next(iter(self._prompt_sizes)))
-        record.update(status_code=200, response_json=answer,
-                      prompt_token_ids=prompt_ids or b"[]", token_ids=tokens["token_ids"],
-                      logprobs=tokens["logprobs"], finish_reason=result["finish_reason"],
-                      prompt_tokens=result["usage"]["prompt_tokens"],
-                      completion_tokens=result["usage"]["completion_tokens"],
-                      usage_json=result["usage"], policy_version=str(policy))
+        record.status_code, record.response_json, record.policy_version = 200, answer, str(policy)
+        record.prompt_token_ids = prompt_ids or b"[]"
+        record.token_ids, record.logprobs = tokens["token_ids"], tokens["logprobs"]
+        record.finish_reason, record.usage_json = result["finish_reason"], usage
+        record.prompt_tokens, record.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
         if normalized["stream"]:
-            return 200, b"".join(mod.stream(result, normalized)), {
-                "content-type": adapters.stream_content_type(normalized), "cache-control": "no-cache"}
-        return 200, orjson.dumps(answer), dict(_JSON)
+            return Answer(200, b"".join(call.adapter.stream(result, normalized)), {
+                "content-type": call.adapter.stream_content_type(normalized), "cache-control": "no-cache"})
+        return Answer(200, orjson.dumps(answer), dict(_JSON))
 
-    async def _fit_max_tokens(self, body: dict, session_id: str, text_len: int) -> None:
+    async def _fit_max_tokens(self, body: dict[str, Any], session_id: str, text_len: int) -> None:
         """Caps max_tokens at what the context leaves after the prompt: some vLLM versions
         refuse more (Claude Code asks for 64000). A token is at least one byte of the
         harness's request text, and a session's prompt grows by at most the bytes its text
@@ -383,9 +412,8 @@ class ModelCalls:
             return
         body["max_tokens"] = max(1, min(wanted, limit - count))
 
-    def _session(self, flow: http.HTTPFlow, query: str) -> dict:
-        return sessions.attribute(headers=header_dict(flow.request), query=query,
-                                  proxy_auth_user=self.users.user(flow),
-                                  client_host=flow.client_conn.peername[0] if flow.client_conn.peername else "unknown",
-                                  salt=self._ensure_writer().salt,
-                                  scheme=ctx.options.polar_session_key)
+    def _session(self, flow: http.HTTPFlow, query: str) -> SessionInfo:
+        return SessionInfo.of(sessions.attribute(
+            headers=header_dict(flow.request), query=query, proxy_auth_user=self.users.user(flow),
+            client_host=flow.client_conn.peername[0] if flow.client_conn.peername else "unknown",
+            salt=self.recorder.salt(), scheme=ctx.options.polar_session_key))

@@ -40,7 +40,7 @@ class PolicyGate:
         self.asleep = False     # the backend sleeps (colocated with the trainer): calls are held
 
     def _events(self) -> tuple[asyncio.Event, asyncio.Event, asyncio.Lock]:
-        if self._open is None:   # made on the event loop that uses them
+        if self._open is None or self._idle is None or self._syncing is None:   # made on the loop that uses them
             self._open, self._idle, self._syncing = asyncio.Event(), asyncio.Event(), asyncio.Lock()
             self._open.set()
             self._idle.set()

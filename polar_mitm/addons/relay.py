@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 from mitmproxy import http
 
+from polar_mitm.adapters.chat import StreamKeepalive
+
 log = logging.getLogger("polar")
 
 META = "polar_relay"
@@ -54,10 +56,12 @@ class StreamRelay:
             server.close()
 
     def hand_over(self, flow: http.HTTPFlow, answer: asyncio.Future, content_type: str, interval: float,
-                  keepalive: tuple[bytes, bytes, int]) -> None:
+                  keepalive: StreamKeepalive) -> None:
         """Send this flow to the relay; the client gets headers now and the answer later.
         keepalive: (head, tick, skip_events) in the client's provider's shape
         (adapters.stream_keepalive)."""
+        if self.address is None:
+            raise RuntimeError("the stream relay is not running")
         token = secrets.token_urlsafe(18)
         self._jobs[token] = Job(answer, content_type, interval, *keepalive)
         # A client gone before mitmproxy reached the relay leaves the job behind: drop it later.

@@ -8,13 +8,13 @@ TASK~SAMPLE puts the session in TASK's GRPO group."""
 
 from __future__ import annotations
 
-from polar_mitm.session_ids import TASK_SEPARATOR, task_of  # noqa: F401 - the rule's one place
-
 import base64
 import binascii
 import hashlib
 import re
 from typing import Mapping
+
+from polar_mitm.session_ids import task_of      # the session-id rule's one place
 
 SESSION_KEY_PREFIX = "polar-"
 SCHEMES = ("auto", "proxy-user", "api-key", "client")

@@ -6,40 +6,52 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
-from .config import AdvantageConfig  # noqa: F401 - re-exported
-from .rollouts import Call
-
-NORMALIZATIONS = ("token", "session")
+from ..trainer_input import Call
+from .config import NORMALIZATIONS, AdvantageConfig, Normalization
 
 
+class GroupStats(NamedTuple):
+    n: int
+    mean: float
+    std: float      # the population std: GRPO's, which every reward of the group defines
 
+
+def group_stats(values: Sequence[float]) -> GroupStats:
+    """n, mean and population std of a non-empty group of rewards (or advantages)."""
+    n = len(values)
+    mean = sum(values) / n
+    return GroupStats(n, mean, math.sqrt(sum((x - mean) ** 2 for x in values) / n))
+
+
+def no_signal(stats: GroupStats, eps: float = AdvantageConfig.eps) -> bool:
+    """A group whose rewards are all equal (or that has a single session) carries no
+    signal: its advantages are exactly zero and the trainer leaves it out."""
+    return stats.n < 2 or stats.std <= eps * max(1.0, abs(stats.mean))
 
 
 def group_advantages(rewards: Mapping[str, float], group_of: Mapping[str, str],
                      cfg: AdvantageConfig = AdvantageConfig()) -> dict[str, float]:
-    """Session -> advantage. A group whose rewards are all equal (or that has a single
-    session) carries no signal: its advantages are exactly zero."""
+    """Session -> advantage; zero for every session of a group with no signal."""
     groups: dict[str, list[str]] = defaultdict(list)
     for s in rewards:
         groups[group_of[s]].append(s)
     out = {}
     for members in groups.values():
         r = [float(rewards[s]) for s in members]
-        n = len(r)
-        mean = sum(r) / n
-        std = math.sqrt(sum((x - mean) ** 2 for x in r) / n)
-        if n < 2 or std <= cfg.eps * max(1.0, abs(mean)):
+        stats = group_stats(r)
+        if no_signal(stats, cfg.eps):
             out.update({s: 0.0 for s in members})
             continue
+        n, mean, std = stats
         for s, x in zip(members, r):
             a = (x - (sum(r) - x) / (n - 1)) if cfg.leave_one_out else x - mean
             out[s] = a / (std + cfg.eps) if cfg.scale_std else a
     return out
 
 
-def token_weights(calls: Sequence[Call], normalization: str = "token") -> list[list[float]]:
+def token_weights(calls: Sequence[Call], normalization: Normalization = "token") -> list[list[float]]:
     """Per call, per sampled token: its weight in the step's loss (they sum to 1).
     token: every trained token counts the same; session: every session counts the same,
     spread over its tokens."""

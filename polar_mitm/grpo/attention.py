@@ -92,7 +92,7 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     # so bf16 on CPU gives up the no-copy bound; the GPU runs flex attention instead).
     dt = query.dtype
     key, value = key.to(dt), value.to(dt)
-    if k_ctx is not None:   # (rotary leaves keys float32 while values are bf16)
+    if k_ctx is not None and v_ctx is not None:   # (rotary leaves keys float32 while values are bf16)
         k_ctx, v_ctx = k_ctx.to(dt), v_ctx.to(dt)
     out = ContextThenOwn.apply(query, key, value, k_ctx, v_ctx, row.mask(dt), grads, scaling)
     return out.transpose(1, 2), None

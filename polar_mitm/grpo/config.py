@@ -4,6 +4,16 @@ use. No torch here, so the CLI reads them without importing it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+# The trajectory builders (trajectories.py): trie trains each token in the context vLLM
+# sampled it in; prefix_merging (NVIDIA Polar) and per_request are there for comparison.
+Builder = Literal["trie", "prefix_merging", "per_request"]
+BUILDERS: tuple[Builder, ...] = get_args(Builder)
+# How the loss is normalized (advantages.token_weights): every trained token counts the
+# same, or every session.
+Normalization = Literal["token", "session"]
+NORMALIZATIONS: tuple[Normalization, ...] = get_args(Normalization)
 
 
 @dataclass(frozen=True)
@@ -23,7 +33,7 @@ class LossConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    builder: str = "trie"
+    builder: Builder = "trie"
     lr: float = 1e-6                  # Polar's default; tiny models move at 1e-5..1e-4
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.98)
@@ -31,7 +41,7 @@ class TrainConfig:
     groups_per_step: int = 0          # GRPO groups per optimizer step; 0 = all in one step
     token_budget: int = 8192          # tokens per micro-batch row
     max_grad_norm: float = 1.0
-    normalization: str = "token"      # token | session
+    normalization: Normalization = "token"
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     gradient_checkpointing: bool = False

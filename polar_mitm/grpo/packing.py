@@ -81,7 +81,7 @@ def plan_rows(f: Forest, budget: int, pack_limit: int | None = None, chains: boo
     pack = min(pack_limit or budget, budget)
     n = len(f.tokens)
     kids: list[list[int]] = [[] for _ in range(n)]
-    roots = []
+    roots: list[int] = []
     for i, p in enumerate(f.parent):
         (kids[p] if p >= 0 else roots).append(i)
     end = f.subtree_end

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -33,6 +33,9 @@ from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
 from .attention import NAME, RowAttention
 from .packing import Forest, Row, plan_rows
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -53,7 +56,7 @@ class TokenLogprobs(nn.Module):
     """Wraps a Hugging Face causal LM: hidden states of a row, then logprobs of the
     chosen tokens at chosen positions. FSDP wraps this module as its root."""
 
-    def __init__(self, lm: nn.Module, *, chunk: int = 1024, temperature: float = 1.0,
+    def __init__(self, lm: PreTrainedModel, *, chunk: int = 1024, temperature: float = 1.0,
                  checkpoint_rows: bool = False):
         super().__init__()
         self.lm = lm

@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .rollouts import Call
+from ..trainer_input import Call
 
 EOT = 2                  # end of turn (SmolLM2's <|im_end|>)
 START = 1                # <|im_start|>

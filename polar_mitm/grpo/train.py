@@ -30,22 +30,22 @@ import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence, cast
 
 import torch
 
-from .advantages import group_advantages, token_weights
-from .config import AdvantageConfig, LossConfig, TrainConfig  # noqa: F401 - re-exported
+from ..trainer_input import Call, SessionReward
+from .advantages import group_advantages, group_stats, token_weights
+from .config import BUILDERS, AdvantageConfig, LossConfig, TrainConfig  # noqa: F401 - re-exported
 from .loss import METRIC_SUMS, LossInputs, grpo_loss, merge_metrics, summarize
 from .packing import merge
 from .policy import ForestRunner, TokenLogprobs
-from .rollouts import Call
-from .trajectories import BUILDERS, build
+from .trajectories import build
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 logger = logging.getLogger("polar.train")
-
-
-
 
 
 class TrainError(ValueError):
@@ -66,7 +66,8 @@ def load_model(model_dir: str | os.PathLike, device: torch.device, dtype: torch.
     path = Path(model_dir)
     if not (path / "config.json").exists():
         raise TrainError(f"no Hugging Face model at {path} (config.json missing)")
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=_attention(device))
+    lm: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                               attn_implementation=_attention(device))
     return lm.to(device)
 
 
@@ -138,7 +139,8 @@ class StepData:
 
     def _target(self, i: int):
         if self._targets is None:
-            self._forest()
+            self._forest()   # sets them
+        assert self._targets is not None
         return self._targets[i]
 
     call_ids = property(lambda self: self._target(0), doc="per forest target: call index")
@@ -232,7 +234,7 @@ class Trainer:
 
     def train_on(self, calls: Sequence[Call], out_dir: str | os.PathLike,
                  progress: Callable[[int, int, dict], None] | None = None,
-                 session_rewards: Mapping[str, tuple[str, float]] | None = None) -> dict:
+                 session_rewards: Mapping[str, SessionReward] | None = None) -> dict:
         """Optimizer steps on these calls' GRPO groups (cfg.epochs passes); writes
         metrics.jsonl and metrics.png into out_dir. Returns a summary with every step's
         metrics. session_rewards (session -> (group, reward)): every rewarded session of the
@@ -297,20 +299,19 @@ class Trainer:
         log = open(metrics_path, "w") if rank == 0 else None
         total_steps = cfg.epochs * len(steps)
         history = []
-        reward_values = list(rewards.values())
-        r_mean = sum(reward_values) / len(reward_values)
-        r_std = math.sqrt(sum((r - r_mean) ** 2 for r in reward_values) / len(reward_values))
+        reward_stats = group_stats(list(rewards.values()))
         n = 0
         for epoch in range(cfg.epochs):
             for s in steps:
                 t0 = time.perf_counter()
-                for group in self.opt.param_groups:
-                    group["lr"] = self.lr_now()
+                for param_group in self.opt.param_groups:
+                    param_group["lr"] = self.lr_now()
                 self.opt.zero_grad(set_to_none=True)
                 if world > 1:   # gather once per step, sync once at its end (see _sync_gradients)
-                    policy.set_reshard_after_forward(False)
-                    policy.set_requires_gradient_sync(False)
-                    policy.set_reshard_after_backward(False)
+                    sharded = cast("FSDPModule", policy)   # fully_shard made it one
+                    sharded.set_reshard_after_forward(False)
+                    sharded.set_requires_gradient_sync(False)
+                    sharded.set_reshard_after_backward(False)
                 sums = run_step(policy, s, adv, weights, proximal, cfg, ref, autocast, world)
                 if world > 1:
                     _sync_gradients(policy, device)
@@ -322,10 +323,11 @@ class Trainer:
                 n += 1
                 m = summarize(sums)
                 sess_adv = [adv_by_session[x] for x in adv_by_session if group_of[x] in set(s.groups)]
+                adv_stats = group_stats(sess_adv)
                 m.update(step=n, global_step=self.step, lr=lr, epoch=epoch, groups=len(s.groups),
                          zero_adv_groups=zero_groups,
-                         grad_norm=grad_norm, reward_mean=r_mean, reward_std=r_std,
-                         adv_mean=sum(sess_adv) / len(sess_adv), adv_std=_std(sess_adv),
+                         grad_norm=grad_norm, reward_mean=reward_stats.mean, reward_std=reward_stats.std,
+                         adv_mean=adv_stats.mean, adv_std=adv_stats.std,
                          adv_min=min(sess_adv), adv_max=max(sess_adv),
                          seconds=time.perf_counter() - t0, forward_tokens=s.stats["forward_tokens"])
                 m["tokens_per_s"] = m["forward_tokens"] / max(m["seconds"], 1e-9)
@@ -364,7 +366,7 @@ class Trainer:
 
 def train(calls: Sequence[Call], model_dir: str | os.PathLike, out_dir: str | os.PathLike,
           cfg: TrainConfig = TrainConfig(), progress: Callable[[int, int, dict], None] | None = None,
-          save: bool = True, session_rewards: Mapping[str, tuple[str, float]] | None = None) -> dict:
+          save: bool = True, session_rewards: Mapping[str, SessionReward] | None = None) -> dict:
     """One training call (polar-train train): a Trainer used once, then its checkpoint."""
     if not any(c.reward is not None for c in calls):
         raise TrainError("no rewarded sessions to train on (set rewards with `polar-train reward`)")
@@ -411,11 +413,6 @@ def _all_reduce_metrics(sums: dict[str, float]) -> dict[str, float]:
     for k in keys:
         out[k] = next(it_lo) if k.endswith("_min") else next(it_hi) if k.endswith("_max") else next(it_add)
     return out
-
-
-def _std(xs: list[float]) -> float:
-    m = sum(xs) / len(xs)
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
 
 
 def _jsonable(x):

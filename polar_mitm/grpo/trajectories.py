@@ -19,11 +19,11 @@ parent = i - 1. The three builders differ only in which contexts they run:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
-from .rollouts import Call, by_key, drift_events, is_prefix, lcp
-
-BUILDERS = ("trie", "prefix_merging", "per_request")
+from ..trainer_input import Call
+from .calls import by_key, drift_events, is_prefix, lcp
+from .config import BUILDERS, Builder
 
 
 @dataclass
@@ -65,7 +65,7 @@ class Sample:
 
 @dataclass
 class BuildStats:
-    builder: str
+    builder: Builder
     calls: int = 0
     sequences: int = 0
     forward_tokens: int = 0
@@ -85,11 +85,10 @@ class Built:
     stats: BuildStats
 
 
-def build(calls: Sequence[Call], builder: str = "trie") -> Built:
+def build(calls: Sequence[Call], builder: Builder = "trie") -> Built:
     if builder not in BUILDERS:
         raise ValueError(f"unknown builder {builder!r}; choose one of {', '.join(BUILDERS)}")
-    samples, dropped = {"trie": trie, "prefix_merging": prefix_merging,
-                        "per_request": per_request}[builder](calls)
+    samples, dropped = _BUILD[builder](calls)
     drifts = drift_events(calls)
     stats = BuildStats(builder=builder, calls=len(calls), sequences=len(samples),
                        forward_tokens=sum(len(s) for s in samples),
@@ -204,3 +203,8 @@ def trie(calls: Sequence[Call]) -> tuple[list[Sample], int]:
             prev = seq
         samples.append(s)
     return samples, 0
+
+
+# Each builder's function has its name.
+_BUILD: dict[Builder, Callable[[Sequence[Call]], tuple[list[Sample], int]]] = {
+    "trie": trie, "prefix_merging": prefix_merging, "per_request": per_request}

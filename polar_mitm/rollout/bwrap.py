@@ -28,6 +28,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Sequence
+
+from .harnesses import CA_VARS, harness_root
 
 NETBRIDGE = str(Path(__file__).with_name("netbridge.py"))
 INSIDE = "/run/polar"                   # the bridge and the proxy's socket, as the sandbox sees them
@@ -37,8 +40,6 @@ SECRET_FILES = ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-", 
                 "/etc/security/opasswd", "/etc/krb5.keytab")
 SECRET_DIRS = ("/etc/ssh", "/etc/ssl/private", "/etc/sudoers.d", "/etc/polkit-1", "/etc/docker",
                "/etc/containerd", "/etc/kubernetes", "/etc/wireguard", "/etc/letsencrypt")
-# The variables through which a harness gets the proxy's CA (harnesses.proxy_env).
-CA_VARS = ("NODE_EXTRA_CA_CERTS", "SSL_CERT_FILE", "CODEX_CA_CERTIFICATE", "REQUESTS_CA_BUNDLE")
 EXPOSE_ENV = "POLAR_SANDBOX_EXPOSE"      # more read-only paths, os.pathsep-separated
 
 
@@ -46,7 +47,6 @@ def node_paths(expose=()) -> list[str]:
     """The node's own paths a sandbox sees read-only, besides the system: its Python (the
     bridge runs on it, and commands may use it), Node.js, the harness installs, and what is
     exposed (the argument, then $POLAR_SANDBOX_EXPOSE)."""
-    from .harnesses import harness_root
     paths = [sys.base_prefix, sys.prefix, str(harness_root())]
     node = shutil.which("node")
     if node:
@@ -99,7 +99,7 @@ class Bwrap:
 
     def argv(self, argv: list[str], *, rw: list[Path], ro: list[Path], env: dict[str, str], cwd: Path,
              network: str, proxy_port: int | None = None, sock_dir: str | None = None,
-             hide: list[Path] = ()) -> list[str]:
+             hide: Sequence[Path] = ()) -> list[str]:
         """The bwrap command line that runs argv in cwd, with rw and ro shown at their own
         paths over empty directories at `hide`. network: "isolated" (loopback; with
         proxy_port and sock_dir, 127.0.0.1:proxy_port inside leads to the unix socket
@@ -128,8 +128,8 @@ class Bwrap:
             args += ["--bind", str(p), str(p)]
         for p in ro:
             args += ["--ro-bind", str(p), str(p)]
-        bridged = network != "host" and proxy_port and sock_dir
-        if bridged:
+        bridged = network != "host" and bool(proxy_port) and bool(sock_dir)
+        if bridged and proxy_port and sock_dir:
             args += ["--ro-bind", NETBRIDGE, f"{INSIDE}/netbridge.py", "--ro-bind", sock_dir, f"{INSIDE}/net"]
             if proxy_port < 1024:       # a privileged port, bound in the sandbox's own network only
                 args += ["--cap-add", "CAP_NET_BIND_SERVICE"]

@@ -5,10 +5,11 @@ server in this process and one on another machine."""
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import httpx
 
+from .protocol import Group, GroupsReply, GroupsRequest, PolicyReport, PolicyRequest, PolicyStatus, PolicyTarget
 from .spec import TaskRequest
 
 
@@ -24,8 +25,9 @@ class ServerClient:
     def close(self) -> None:
         self.http.close()
 
-    def _call(self, method: str, path: str, body=None) -> httpx.Response:
+    def _call(self, method: str, path: str, body: Any = None) -> httpx.Response:
         """503 means "not saved yet, retry" (the server's database was busy)."""
+        r = None
         for attempt in range(6):
             try:
                 r = self.http.request(method, self.url + path, json=body)
@@ -36,7 +38,7 @@ class ServerClient:
                 if r.status_code != 503:
                     return r
             time.sleep(0.5 * 2 ** attempt)
-        raise ServerError(f"the rollout server at {self.url} stayed busy: {r.text[:300]}")
+        raise ServerError(f"the rollout server at {self.url} stayed busy: {r.text[:300] if r is not None else ''}")
 
     def submit(self, spec: TaskRequest) -> bool:
         """Queue a task; False when it is there already (a rerun resumes it)."""
@@ -47,28 +49,29 @@ class ServerClient:
             raise ServerError(f"{spec.task_id}: the rollout server refused it: {r.text[:500]}")
         return True
 
-    def groups(self, task_ids: list[str]) -> list[dict]:
-        r = self._call("POST", "/groups", {"task_ids": task_ids})
+    def groups(self, task_ids: list[str]) -> list[Group]:
+        r = self._call("POST", "/groups", GroupsRequest(task_ids=task_ids))
         if r.status_code != 200:
             raise ServerError(f"the rollout server's groups: {r.text[:500]}")
-        return r.json()["groups"]
+        reply: GroupsReply = r.json()
+        return reply["groups"]
 
-    def policy_status(self) -> dict:
+    def policy_status(self) -> PolicyStatus:
         return self._call("GET", "/policy").json()
 
     def sync_nodes(self, version: int, checkpoint: str, asleep: bool = False, timeout: float = 900.0,
-                   check: Callable[[], None] = lambda: None) -> dict[str, dict]:
+                   check: Callable[[], None] = lambda: None) -> dict[str, PolicyReport]:
         """Every live node serves (version, checkpoint), or sleeps: set the target, then wait
         for their reports. Returns each node's report; a node's failure raises ServerError."""
-        r = self._call("POST", "/policy", {"version": version, "checkpoint": checkpoint, "asleep": asleep})
+        r = self._call("POST", "/policy", PolicyRequest(version=version, checkpoint=checkpoint, asleep=asleep))
         if r.status_code != 200:
             raise ServerError(f"the rollout server did not take the policy: {r.text[:500]}")
-        target = r.json()
+        target: PolicyTarget = r.json()
         deadline = time.monotonic() + timeout
         while True:
             nodes = {k: n for k, n in self.policy_status()["nodes"].items() if not n["lost"]}
-            done = {k: n["policy"] for k, n in nodes.items() if (n["policy"] or {}).get("target") == target["id"]}
-            failed = {k: p["error"] for k, p in done.items() if p.get("error")}
+            done = {k: p for k, n in nodes.items() if (p := n["policy"]) and p.get("target") == target["id"]}
+            failed = {k: p.get("error") for k, p in done.items() if p.get("error")}
             if failed:
                 raise ServerError("; ".join(f"node {k}: {e}" for k, e in failed.items()))
             if nodes and len(done) == len(nodes):

@@ -4,6 +4,11 @@ Every runner works in regular proxy mode: the harness keeps its real provider ho
 reaches it through HTTPS_PROXY, whose user name (TASK~i) names the session; the mitmproxy CA
 comes in through the variables each runtime reads. Nothing here changes a harness's code:
 only its HOME (config files) and its environment.
+
+HARNESSES is the registry: one entry per harness with everything about it (its npm package,
+pinned version and lockfile folder, its command line, environment and config files, the API
+style it speaks). The task spec, the HTTP API, the CLIs and the installs read it, so a new
+harness is one entry here (and its lockfile folder).
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ import json
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from ..models import cache_dir
 
@@ -24,16 +30,6 @@ class Package:
     npm: str
     version: str
     bin: str
-
-
-# Pinned versions: the ones measured through this proxy (../shared/reference/harnesses.md).
-PACKAGES: dict[str, Package] = {
-    "claude": Package("@anthropic-ai/claude-code", "2.1.197", "claude"),
-    "codex": Package("@openai/codex", "0.171.0", "codex"),
-    "gemini": Package("@google/gemini-cli", "0.61.0", "gemini"),
-    "qwen": Package("@qwen-code/qwen-code", "0.15.10", "qwen"),
-    "pi": Package("@mariozechner/pi-coding-agent", "0.73.1", "pi"),
-}
 
 
 @dataclass(frozen=True)
@@ -51,6 +47,22 @@ class RunContext:
 class Launch:
     argv: list[str]
     env: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Harness:
+    """One harness: what to install, how to start it for a session, what it speaks."""
+    name: str
+    api_style: str | None                     # the provider API it calls (adapters' STYLE); None: any
+    package: Package | None                   # the npm CLI at its pinned version; None: nothing to install
+    argv: Callable[[str, RunContext], list[str]]          # (its executable, the session)
+    env: Callable[[RunContext], dict[str, str]]           # on top of base_env
+    files: Callable[[RunContext], dict[str, str]] = field(default=lambda ctx: {})   # HOME-relative path: text
+
+    @property
+    def lock_dir(self) -> Path | None:
+        """Its lockfile folder (package.json, package-lock.json), shipped with the package."""
+        return LOCKS / self.name if self.package else None
 
 
 class HarnessMissing(RuntimeError):
@@ -116,12 +128,15 @@ def executable(name: str) -> Path:
     raise HarnessMissing(f"{name} {pkg.version} is not installed: run `polar-mitm harness install {name}`{hint}")
 
 
+# The variables through which a harness's runtime gets the proxy's CA (the sandbox gives it
+# the certificate file they name, bwrap.py).
+CA_VARS = ("NODE_EXTRA_CA_CERTS", "SSL_CERT_FILE", "CODEX_CA_CERTIFICATE", "REQUESTS_CA_BUNDLE")
+
+
 def proxy_env(ctx: RunContext) -> dict[str, str]:
     proxy = f"http://{ctx.session_id}:x@127.0.0.1:{ctx.proxy_port}"
     return {"HTTPS_PROXY": proxy, "HTTP_PROXY": proxy, "https_proxy": proxy, "http_proxy": proxy,
-            "ALL_PROXY": proxy, "NO_PROXY": "", "no_proxy": "",
-            "NODE_EXTRA_CA_CERTS": ctx.ca_path, "SSL_CERT_FILE": ctx.ca_path,
-            "CODEX_CA_CERTIFICATE": ctx.ca_path, "REQUESTS_CA_BUNDLE": ctx.ca_path}
+            "ALL_PROXY": proxy, "NO_PROXY": "", "no_proxy": "", **{v: ctx.ca_path for v in CA_VARS}}
 
 
 def base_env(ctx: RunContext) -> dict[str, str]:
@@ -134,19 +149,9 @@ def base_env(ctx: RunContext) -> dict[str, str]:
             **proxy_env(ctx)}
 
 
-def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
-def _claude(exe: Path, ctx: RunContext) -> Launch:
-    env = {"ANTHROPIC_API_KEY": f"polar-{ctx.session_id}",
-           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
-           "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
-           # against a first-party host Claude defers most tools behind ToolSearch, whose
-           # tool_reference blocks only Anthropic's API expands
-           "ENABLE_TOOL_SEARCH": "false"}
-    return Launch([str(exe), "-p", ctx.instruction, "--allowedTools", "Bash,Read,Edit,Write,Glob,Grep"], env)
+def session_key(ctx: RunContext) -> str:
+    """The API key a harness sends: it names the session too (the proxy user wins)."""
+    return f"polar-{ctx.session_id}"
 
 
 _CODEX_CONFIG = """\
@@ -172,54 +177,72 @@ plugins = false
 """
 
 
-def _codex(exe: Path, ctx: RunContext) -> Launch:
-    codex_home = ctx.home / ".codex"
-    _write(codex_home / "config.toml", _CODEX_CONFIG)
-    return Launch([str(exe), "exec", "--skip-git-repo-check", ctx.instruction],
-                  {"CODEX_HOME": str(codex_home), "POLAR_API_KEY": f"polar-{ctx.session_id}"})
-
-
 def _settings(auth: str) -> str:
+    """Gemini CLI's and Qwen Code's settings.json: no telemetry, no updates, this auth."""
     return json.dumps({"privacy": {"usageStatisticsEnabled": False}, "telemetry": {"enabled": False},
                        "general": {"disableAutoUpdate": True, "disableUpdateNag": True},
                        "security": {"auth": {"selectedType": auth}}})
 
 
-def _gemini(exe: Path, ctx: RunContext) -> Launch:
-    _write(ctx.home / ".gemini" / "settings.json", _settings("gemini-api-key"))
-    return Launch([str(exe), "-y", "-p", ctx.instruction],
-                  {"GEMINI_API_KEY": f"polar-{ctx.session_id}", "GEMINI_CLI_TRUST_WORKSPACE": "true"})
-
-
-def _qwen(exe: Path, ctx: RunContext) -> Launch:
-    _write(ctx.home / ".qwen" / "settings.json", _settings("openai"))
-    return Launch([str(exe), "-y", "-p", ctx.instruction],
-                  {"OPENAI_API_KEY": f"polar-{ctx.session_id}", "OPENAI_MODEL": "qwen3-coder-plus"})
-
-
-def _pi(exe: Path, ctx: RunContext) -> Launch:
-    models = {"providers": {"polar": {
+def _pi_models(ctx: RunContext) -> str:
+    return json.dumps({"providers": {"polar": {
         "baseUrl": "https://api.openai.com/v1", "api": "openai-completions",
-        "apiKey": f"polar-{ctx.session_id}",
+        "apiKey": session_key(ctx),
         "models": [{"id": "polar-policy", "reasoning": False,
-                    "compat": {"supportsDeveloperRole": False, "supportsReasoningEffort": False}}]}}}
-    _write(ctx.home / ".pi" / "agent" / "models.json", json.dumps(models))
-    _write(ctx.home / ".pi" / "agent" / "settings.json", json.dumps({"enableInstallTelemetry": False}))
-    return Launch([str(exe), "--no-session", "--provider", "polar", "--model", "polar-policy",
-                   "-p", ctx.instruction],
-                  {"PI_OFFLINE": "1", "PI_SKIP_VERSION_CHECK": "1", "PI_TELEMETRY": "0"})
+                    "compat": {"supportsDeveloperRole": False, "supportsReasoningEffort": False}}]}}})
 
 
-_RUNNERS = {"claude": _claude, "codex": _codex, "gemini": _gemini, "qwen": _qwen, "pi": _pi}
+def _command_argv(exe: str, ctx: RunContext) -> list[str]:
+    if not ctx.command:
+        raise ValueError("the command harness needs a command")
+    return ["/bin/sh", "-c", ctx.command]
+
+
+_REGISTRY = [
+    # Pinned versions: the ones measured through this proxy (../shared/reference/harnesses.md).
+    Harness("claude", "anthropic", Package("@anthropic-ai/claude-code", "2.1.197", "claude"),
+            argv=lambda exe, ctx: [exe, "-p", ctx.instruction, "--allowedTools", "Bash,Read,Edit,Write,Glob,Grep"],
+            env=lambda ctx: {"ANTHROPIC_API_KEY": session_key(ctx),
+                             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
+                             "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
+                             # against a first-party host Claude defers most tools behind
+                             # ToolSearch, whose tool_reference blocks only Anthropic's API expands
+                             "ENABLE_TOOL_SEARCH": "false"}),
+    Harness("codex", "openai_responses", Package("@openai/codex", "0.171.0", "codex"),
+            argv=lambda exe, ctx: [exe, "exec", "--skip-git-repo-check", ctx.instruction],
+            env=lambda ctx: {"CODEX_HOME": str(ctx.home / ".codex"), "POLAR_API_KEY": session_key(ctx)},
+            files=lambda ctx: {".codex/config.toml": _CODEX_CONFIG}),
+    Harness("gemini", "google", Package("@google/gemini-cli", "0.61.0", "gemini"),
+            argv=lambda exe, ctx: [exe, "-y", "-p", ctx.instruction],
+            env=lambda ctx: {"GEMINI_API_KEY": session_key(ctx), "GEMINI_CLI_TRUST_WORKSPACE": "true"},
+            files=lambda ctx: {".gemini/settings.json": _settings("gemini-api-key")}),
+    Harness("qwen", "openai_chat", Package("@qwen-code/qwen-code", "0.15.10", "qwen"),
+            argv=lambda exe, ctx: [exe, "-y", "-p", ctx.instruction],
+            env=lambda ctx: {"OPENAI_API_KEY": session_key(ctx), "OPENAI_MODEL": "qwen3-coder-plus"},
+            files=lambda ctx: {".qwen/settings.json": _settings("openai")}),
+    Harness("pi", "openai_chat", Package("@mariozechner/pi-coding-agent", "0.73.1", "pi"),
+            argv=lambda exe, ctx: [exe, "--no-session", "--provider", "polar", "--model", "polar-policy",
+                                   "-p", ctx.instruction],
+            env=lambda ctx: {"PI_OFFLINE": "1", "PI_SKIP_VERSION_CHECK": "1", "PI_TELEMETRY": "0"},
+            files=lambda ctx: {".pi/agent/models.json": _pi_models(ctx),
+                               ".pi/agent/settings.json": json.dumps({"enableInstallTelemetry": False})}),
+    # A shell line of the task's own (its `command`), run in the workspace; the instruction in
+    # $POLAR_INSTRUCTION.
+    Harness("command", None, None, argv=_command_argv,
+            env=lambda ctx: {"POLAR_INSTRUCTION": ctx.instruction}),
+]
+HARNESSES: dict[str, Harness] = {h.name: h for h in _REGISTRY}
+DEFAULT = "pi"
+PACKAGES: dict[str, Package] = {h.name: h.package for h in _REGISTRY if h.package}
+"""The harnesses installed from npm, and their pinned packages."""
 
 
 def launch(name: str, ctx: RunContext) -> Launch:
     """argv and environment for one session; config files are written into ctx.home."""
-    env = base_env(ctx)
-    if name == "command":
-        if not ctx.command:
-            raise ValueError("the command harness needs a command")
-        env["POLAR_INSTRUCTION"] = ctx.instruction
-        return Launch(["/bin/sh", "-c", ctx.command], env)
-    made = _RUNNERS[name](executable(name), ctx)
-    return Launch(made.argv, {**env, **made.env})
+    h = HARNESSES[name]
+    argv = h.argv(str(executable(name)) if h.package else "", ctx)
+    for rel, text in h.files(ctx).items():
+        path = ctx.home / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return Launch(argv, {**base_env(ctx), **h.env(ctx)})

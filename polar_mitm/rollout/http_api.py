@@ -1,9 +1,10 @@
 """The rollout server's HTTP API: FastAPI on uvicorn, served from a thread of the process that
-holds the RolloutServer (server.py; this module knows it only as the object it is given).
+holds the RolloutServer (server.py; this module knows it only through the RolloutAPI protocol).
 
-Requests and answers are pydantic models (tasks, heartbeats and their events, the policy,
-groups). A request that does not fit its model gets 400 and names the field; a task that
-fits is then checked by spec.parse_task, the one place that says what a task may be. Every
+Requests and answers are typed: a task is TaskIn (here), every other message is protocol.py's
+(heartbeats and their events, the policy, groups), which pydantic validates. A request that
+does not fit its type gets 400 and names the field; a task that fits is then checked by
+spec.parse_task, the one place that says what a task may be. Every
 error answers {"error": {"message": ...}}, mapped from the exception's type: TaskExists 409
 (a rerun resumes it), TaskChanged 422 (with "changed"), any other TaskError 400, no such task
 404, and state that could not be saved 503 (the client retries).
@@ -20,36 +21,48 @@ import logging
 import socket
 import threading
 import time
-from contextlib import asynccontextmanager
-from typing import Annotated, Any, Literal
+from contextlib import asynccontextmanager, contextmanager
+from typing import Annotated, Any, Iterator, Literal, Mapping, Protocol
 
 import anyio.to_thread
 import uvicorn
 from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, StrictStr
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException
 
+from .protocol import (CancelReply, CancelRequest, Group, GroupsReply, GroupsRequest, Heartbeat, HeartbeatReply,
+                       Number, PolicyRequest, PolicyStatus, PolicyTarget, Status, SubmitReply, Submitted, TaskList,
+                       TaskStatus)
 from .spec import (HARNESSES, ON_FAILURE, REWARD_COVERS, TaskChanged, TaskError, TaskExists, TaskRequest,
                    parse_task)
-from .states import Callback, Session, Task
 
 log = logging.getLogger("polar.rollout")
 
-Seconds = Annotated[float, Strict()]       # an int or a float (not a bool, not a string)
-Number = Annotated[float, Strict()]
-_TASK_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TaskRequest)}
+Seconds = Number                            # an int or a float (not a bool, not a string)
+_TASK_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TaskRequest)}
+
+
+class RolloutAPI(Protocol):
+    """What the API serves: a RolloutServer's Python API (server.py)."""
+    @property
+    def tasks(self) -> Mapping[str, Any]: ...        # task_id -> its state: is there such a task
+
+    def submit(self, task: TaskRequest) -> list[str]: ...
+    def task_list(self) -> list[Any]: ...
+    def task_status(self, task_id: str) -> TaskStatus | None: ...
+    def group(self, task_id: str) -> Group: ...
+    def cancel(self, task_id: str, reason: str = ...) -> bool: ...
+    def status(self) -> Status: ...
+    def policy_status(self) -> PolicyStatus: ...
+    def set_policy(self, version: int, checkpoint: str, asleep: bool = False) -> PolicyTarget: ...
+    def heartbeat(self, body: Heartbeat) -> HeartbeatReply: ...
 
 
 class _In(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class _Out(BaseModel):
-    """Answers: the server may add fields, and they pass through."""
-    model_config = ConfigDict(extra="allow")
 
 
 # -- tasks ---------------------------------------------------------------------------------------
@@ -100,157 +113,6 @@ class TaskIn(_In):
     reward_covers: Literal[REWARD_COVERS] = _TASK_DEFAULTS["reward_covers"]  # type: ignore[valid-type]
 
 
-class Submitted(_Out):
-    task_id: str
-    sessions: list[str]
-
-
-class SubmitReply(_Out):
-    tasks: list[Submitted]
-
-
-class SessionOut(_Out):
-    session_id: str
-    sample: int
-    attempt: int
-    state: Session
-    node_id: str | None = None
-    reward: float | None = None
-    reason: str | None = None
-    stats: dict[str, Any] | None = None
-
-
-class TaskStatusOut(_Out):
-    task_id: str
-    state: Task
-    callback_state: Callback | None = None
-    sessions: list[SessionOut]
-
-
-class TaskBrief(_Out):
-    task_id: str
-    state: Task
-
-
-class TaskList(_Out):
-    tasks: list[TaskBrief]
-
-
-class GroupOut(_Out):
-    """A scored group, as posted to callback_url: the current attempt of each sample, and the
-    attempts before them."""
-    task_id: str
-    state: Task
-    metadata: dict[str, Any]
-    sessions: list[SessionOut]
-    attempts: list[SessionOut]
-
-
-class GroupsIn(_In):
-    task_ids: list[StrictStr] = []
-
-
-class GroupsOut(_Out):
-    groups: list[GroupOut]
-
-
-class CancelIn(_In):
-    reason: StrictStr | None = None
-
-
-class CancelOut(_Out):
-    task_id: str
-    cancelled: bool
-
-
-# -- the policy ----------------------------------------------------------------------------------
-class PolicyIn(_In):
-    version: StrictInt
-    checkpoint: StrictStr
-    asleep: StrictBool = False
-
-
-class PolicyTarget(_Out):
-    id: str
-    version: int
-    checkpoint: str
-    asleep: bool
-
-
-class PolicyReport(BaseModel):
-    """What a node serves, as it reports it (node.py _apply_policy)."""
-    model_config = ConfigDict(extra="allow")
-    target: str | None = None
-    version: int | None = None
-    checkpoint: str | None = None
-    asleep: bool | None = None
-    error: str | None = None
-
-
-class NodePolicy(_Out):
-    lost: bool
-    policy: PolicyReport | None = None
-    db: str | None = None
-
-
-class PolicyStatus(_Out):
-    target: PolicyTarget | None = None
-    nodes: dict[str, NodePolicy]
-
-
-# -- nodes ---------------------------------------------------------------------------------------
-class SessionEvent(BaseModel):
-    """One state change of a session, as its node reports it."""
-    model_config = ConfigDict(extra="ignore")
-    session_id: StrictStr
-    state: Session
-    at: Number | None = None
-    reward: Number | None = None
-    reason: StrictStr | None = None
-    stats: dict[str, Any] | None = None
-
-
-class NodeLoad(BaseModel):
-    """free: how many more sessions the node takes now (0 while paused or stopping)."""
-    model_config = ConfigDict(extra="allow")
-    free: StrictInt = Field(0, ge=0)
-    slots: StrictInt | None = None
-    running: StrictInt | None = None
-    ready: StrictInt | None = None
-    post_run: StrictInt | None = None
-    paused: StrictStr | None = None
-
-
-class Heartbeat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    node_id: StrictStr = Field(min_length=1)
-    load: NodeLoad = NodeLoad()
-    active: list[StrictStr] = Field([], description="the sessions the node holds")
-    events: list[SessionEvent] = []
-    policy: PolicyReport | None = None
-    db: StrictStr | None = Field(None, description="the node's proxy database")
-
-
-class Assignment(_Out):
-    session_id: str
-    task: dict[str, Any]
-    attempt: int
-
-
-class HeartbeatReply(_Out):
-    assign: list[Assignment]
-    cancel: list[str]
-    settled: list[str] = Field(description="final outcomes the server holds as their sample's")
-    policy: PolicyTarget | None = None
-
-
-class StatusOut(_Out):
-    tasks: dict[str, int]
-    sessions: dict[str, int]
-    rewards: dict[str, Any]
-    nodes: dict[str, dict[str, Any]]
-
-
 # -- errors --------------------------------------------------------------------------------------
 class NoSuchTask(LookupError):
     def __init__(self, task_ids: list[str]):
@@ -293,7 +155,8 @@ def _field_errors(exc: RequestValidationError) -> list[dict]:
     return out
 
 
-async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     bad_json = [e for e in errors if e.get("type") == "json_invalid"]
     if bad_json:
@@ -313,7 +176,45 @@ async def _invalid_request(request: Request, exc: RequestValidationError) -> JSO
                   fields=[{"field": f["field"], "message": f["message"]} for f in fields])
 
 
-def make_app(server: Any, threads: int = 64) -> FastAPI:
+# Errors mapped by the exception's type (the first that matches); TaskChanged says what changed.
+_STATUS: list[tuple[type[Exception], int]] = [
+    (TaskExists, 409),          # the same task: a rerun resumes it
+    (TaskChanged, 422),         # another spec under that id: refused
+    (TaskError, 400),
+    (NoSuchTask, 404),
+    (NotSaved, 503),            # the client retries
+]
+
+
+async def _mapped(request: Request, e: Exception) -> JSONResponse:
+    status = next(code for kind, code in _STATUS if isinstance(e, kind))
+    extra = {"changed": e.changes} if isinstance(e, TaskChanged) else {}
+    return _error(status, str(e), **extra)
+
+
+async def _http_error(request: Request, e: Exception) -> JSONResponse:
+    assert isinstance(e, HTTPException)
+    if e.status_code == 404:
+        return _error(404, f"no route {request.url.path}")
+    if e.status_code == 405:
+        return _error(405, f"{request.method} is not allowed on {request.url.path}")
+    return _error(e.status_code, str(e.detail))
+
+
+@contextmanager
+def _saved(what: str, answer: str) -> Iterator[None]:
+    """An error other than a bad task is state not saved (e.g. the database stayed busy):
+    503 that says `answer`, and the client retries."""
+    try:
+        yield
+    except TaskError:
+        raise
+    except Exception as e:
+        log.exception("%s failed", what)
+        raise NotSaved(f"{answer}: {e}") from e
+
+
+def make_app(server: RolloutAPI, threads: int = 64) -> FastAPI:
     """The API of a RolloutServer (any object with its methods). threads: worker threads for
     the endpoints (a heartbeat waiting on the database holds one)."""
 
@@ -324,45 +225,19 @@ def make_app(server: Any, threads: int = 64) -> FastAPI:
 
     app = FastAPI(title="polar-mitm rollout server", lifespan=lifespan, openapi_url="/openapi.json",
                   docs_url=None, redoc_url=None)
-
     app.add_exception_handler(RequestValidationError, _invalid_request)
+    app.add_exception_handler(HTTPException, _http_error)
+    for kind, _ in _STATUS:
+        app.add_exception_handler(kind, _mapped)
 
-    @app.exception_handler(TaskExists)
-    async def _exists(request: Request, e: TaskExists):            # the same task: a rerun resumes it
-        return _error(409, str(e))
-
-    @app.exception_handler(TaskChanged)
-    async def _changed(request: Request, e: TaskChanged):          # another spec under that id: refused
-        return _error(422, str(e), changed=e.changes)
-
-    @app.exception_handler(TaskError)
-    async def _bad_task(request: Request, e: TaskError):
-        return _error(400, str(e))
-
-    @app.exception_handler(NoSuchTask)
-    async def _no_task(request: Request, e: NoSuchTask):
-        return _error(404, str(e))
-
-    @app.exception_handler(NotSaved)
-    async def _not_saved(request: Request, e: NotSaved):
-        return _error(503, str(e))
-
-    @app.exception_handler(HTTPException)
-    async def _http(request: Request, e: HTTPException):
-        if e.status_code == 404:
-            return _error(404, f"no route {request.url.path}")
-        if e.status_code == 405:
-            return _error(405, f"{request.method} is not allowed on {request.url.path}")
-        return _error(e.status_code, str(e.detail))
-
-    def _task(task_id: str) -> str:
-        if task_id not in server.tasks:
-            raise NoSuchTask([task_id])
-        return task_id
+    def _known(task_ids: list[str]) -> None:
+        missing = [t for t in task_ids if t not in server.tasks]
+        if missing:
+            raise NoSuchTask(missing)
 
     # -- tasks -------------------------------------------------------------------------------
     @app.post("/tasks", status_code=202, response_model=SubmitReply)
-    def submit(tasks: Annotated[TaskIn | list[TaskIn], Body()]):
+    def submit(tasks: Annotated[TaskIn | list[TaskIn], Body()]) -> SubmitReply:
         """Queue one task or a list of them; each answers its session ids once they are saved."""
         given = tasks if isinstance(tasks, list) else [tasks]
         specs = [parse_task(t.model_dump(exclude_unset=True)) for t in given]
@@ -372,68 +247,59 @@ def make_app(server: Any, threads: int = 64) -> FastAPI:
             raise TaskError(f"task_id {', '.join(twice)} given twice in one request")
         out = []
         for s in specs:
-            try:
-                out.append({"task_id": s.task_id, "sessions": server.submit(s)})
-            except TaskError:
-                raise
-            except Exception as e:          # e.g. the database stayed busy: the client may retry
-                log.exception("submitting %s failed", s.task_id)
-                raise NotSaved(f"not saved yet, retry: {e}") from e
-        return {"tasks": out}
+            with _saved(f"submitting {s.task_id}", "not saved yet, retry"):
+                out.append(Submitted(task_id=s.task_id, sessions=server.submit(s)))
+        return SubmitReply(tasks=out)
 
     @app.get("/tasks", response_model=TaskList)
-    def list_tasks():
-        return {"tasks": server.task_list()}
+    def list_tasks() -> TaskList:
+        return TaskList(tasks=server.task_list())
 
-    @app.get("/tasks/{task_id}", response_model=TaskStatusOut)
-    def task_status(task_id: str):
+    @app.get("/tasks/{task_id}", response_model=TaskStatus)
+    def task_status(task_id: str) -> TaskStatus:
         st = server.task_status(task_id)
         if st is None:
             raise NoSuchTask([task_id])
         return st
 
-    @app.get("/tasks/{task_id}/group", response_model=GroupOut)
-    def group(task_id: str):
-        return server.group(_task(task_id))
+    @app.get("/tasks/{task_id}/group", response_model=Group)
+    def group(task_id: str) -> Group:
+        _known([task_id])
+        return server.group(task_id)
 
-    @app.post("/tasks/{task_id}/cancel", response_model=CancelOut)
-    def cancel(task_id: str, body: Annotated[CancelIn | None, Body()] = None):
-        ok = server.cancel(task_id, (body.reason if body else None) or "cancelled by request")
+    @app.post("/tasks/{task_id}/cancel", response_model=CancelReply)
+    def cancel(task_id: str, body: Annotated[CancelRequest | None, Body()] = None):
+        ok = server.cancel(task_id, (body or {}).get("reason") or "cancelled by request")
         if not ok:
-            return JSONResponse({"task_id": task_id, "cancelled": False}, status_code=404)
-        return {"task_id": task_id, "cancelled": True}
+            return JSONResponse(CancelReply(task_id=task_id, cancelled=False), status_code=404)
+        return CancelReply(task_id=task_id, cancelled=True)
 
-    @app.post("/groups", response_model=GroupsOut)
-    def groups(body: Annotated[GroupsIn | None, Body()] = None):
-        ids = body.task_ids if body else []
-        missing = [t for t in ids if t not in server.tasks]
-        if missing:
-            raise NoSuchTask(missing)
-        return {"groups": [server.group(t) for t in ids]}
+    @app.post("/groups", response_model=GroupsReply)
+    def groups(body: Annotated[GroupsRequest | None, Body()] = None) -> GroupsReply:
+        ids = (body or {}).get("task_ids", [])
+        _known(ids)
+        return GroupsReply(groups=[server.group(t) for t in ids])
 
-    @app.get("/status", response_model=StatusOut)
-    def status():
+    @app.get("/status", response_model=Status)
+    def status() -> Status:
         return server.status()
 
     # -- the policy --------------------------------------------------------------------------
     @app.get("/policy", response_model=PolicyStatus)
-    def policy_status():
+    def policy_status() -> PolicyStatus:
         return server.policy_status()
 
     @app.post("/policy", response_model=PolicyTarget)
-    def set_policy(body: PolicyIn):
-        return server.set_policy(body.version, body.checkpoint, body.asleep)
+    def set_policy(body: PolicyRequest) -> PolicyTarget:
+        return server.set_policy(body["version"], body["checkpoint"], body.get("asleep", False))
 
     # -- nodes -------------------------------------------------------------------------------
     @app.post("/nodes/heartbeat", response_model=HeartbeatReply)
-    def heartbeat(body: Heartbeat):
+    def heartbeat(body: Heartbeat) -> HeartbeatReply:
         """A node's load, its sessions' state changes and its policy; answered (once saved)
         with new sessions, cancellations, settled outcomes and the policy to serve."""
-        try:
-            return server.heartbeat(body.model_dump(exclude_unset=True))
-        except Exception as e:      # not saved: the node keeps its events and retries
-            log.exception("heartbeat failed")
-            raise NotSaved(f"state not saved: {e}") from e
+        with _saved("heartbeat", "state not saved"):      # the node keeps its events and retries
+            return server.heartbeat(body)
 
     return app
 

@@ -27,14 +27,18 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import httpx
+from typing_extensions import Unpack
 
-from ..store import rollouts as store
+from .. import session_ids
+from ..store import rollout_journal as journal
 from ..store import set_reward
 from . import harnesses
-from .runtime import LocalRuntime, Runtime, Sandbox, SetupError
+from .protocol import (Assignment, EventDetail, Heartbeat, HeartbeatReply, NodeLoad, PolicyReport, PolicyTarget,
+                       SessionEvent)
+from .runtime import LocalRuntime, Runtime, RunResult, Sandbox, SetupError
 from .spec import TaskError, TaskRequest, parse_reward, task_from_json
 from .states import OUTCOMES, TERMINAL, Session
 
@@ -65,9 +69,16 @@ class Work:
     attempt: int
     sandbox: Sandbox | None = None
     cancelled: bool = False
-    stats: dict = field(default_factory=dict)
-    result: object = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    result: RunResult | Exception | None = None   # the harness's run, or why it could not start
     outages: int | None = None        # the node's backend outages when its harness started
+
+    @property
+    def box(self) -> Sandbox:
+        """Its sandbox, made in INIT (RUN and POST_RUN only get sessions that have one)."""
+        if self.sandbox is None:
+            raise RuntimeError(f"{self.session_id} has no sandbox")
+        return self.sandbox
 
 
 def probe_backend(url: str, timeout: float = 5.0) -> str | None:
@@ -92,13 +103,13 @@ class GatewayNode:
         self.runtime = runtime or LocalRuntime()
         self.launcher = launcher
         self.ready_size = cfg.ready_size if cfg.ready_size is not None else cfg.run_workers
-        self.inbox: queue.Queue[Work] = queue.Queue()
+        self.inbox: queue.Queue[Work | None] = queue.Queue()
         self.ready: queue.Queue[Work] = queue.Queue(maxsize=max(1, self.ready_size))
         self.post: queue.Queue[Work] = queue.Queue()
         self._lock = threading.Lock()
         self._held: dict[str, Work] = {}        # assigned and not yet finished
         self._stage: dict[str, Session] = {}
-        self._outbox: list[dict] = []
+        self._outbox: list[SessionEvent] = []
         self._stop = threading.Event()
         self._releasing = False
         self._threads: list[threading.Thread] = []
@@ -107,12 +118,12 @@ class GatewayNode:
         self._client = httpx.Client(timeout=httpx.Timeout(120.0, connect=5.0), trust_env=False)
         self.heartbeats_ok = 0
         # The policy: the server's target, and what this node serves (reported back).
-        self._policy_target: dict | None = None
+        self._policy_target: PolicyTarget | None = None
         self._policy_wake = threading.Event()
         self._beat = threading.Event()
-        self._unsettled: dict[str, tuple] = {}          # session -> (reward, info, task), not yet settled
+        self._unsettled: dict[str, tuple[float, dict, str]] = {}   # session -> (reward, info, task), not settled yet
         self._settled: queue.Queue[str | None] = queue.Queue()
-        self.policy: dict | None = None
+        self.policy: PolicyReport | None = None
         # The backend: up (no URL: taken as up), what is wrong while it is down, and how
         # many times it went down (a session whose run saw one is handed back).
         self._backend_up = threading.Event()
@@ -158,7 +169,7 @@ class GatewayNode:
         self._policy_wake.set()
         self._beat.set()
         for _ in range(self.cfg.init_workers + self.cfg.run_workers):
-            self.inbox.put(None)  # type: ignore[arg-type]
+            self.inbox.put(None)
         for t in self._threads:
             t.join(timeout=2.0)
         self._settled.put(None)       # the settled rewards are stored before stop returns
@@ -171,16 +182,15 @@ class GatewayNode:
         """Sessions held before POST_RUN: being set up, buffered, running."""
         return self.cfg.init_workers + self.ready_size + self.cfg.run_workers
 
-    def load(self) -> dict:
+    def load(self) -> NodeLoad:
         with self._lock:
             stages = list(self._stage.values())
         pre_post = sum(1 for s in stages if s != Session.POST_RUN)
         # a stopping node takes none, nor one whose backend is down
         paused = self.backend_error if not self._backend_up.is_set() else None
         free = 0 if self._releasing or paused else max(0, self.slots - pre_post)
-        load = {"slots": self.slots, "free": free,
-                "running": stages.count(Session.RUN), "ready": stages.count(Session.READY),
-                "post_run": stages.count(Session.POST_RUN)}
+        load = NodeLoad(slots=self.slots, free=free, running=stages.count(Session.RUN),
+                        ready=stages.count(Session.READY), post_run=stages.count(Session.POST_RUN))
         if paused:
             load["paused"] = paused
         return load
@@ -191,6 +201,8 @@ class GatewayNode:
             self._probe_backend()
 
     def _probe_backend(self) -> None:
+        if not self.cfg.backend_url:
+            return
         error = probe_backend(self.cfg.backend_url)
         if error and self._backend_up.is_set():
             self.outages += 1
@@ -205,16 +217,16 @@ class GatewayNode:
             log.warning("node %s resumed: the model backend answers again", self.cfg.node_id)
 
     # -- reporting ---------------------------------------------------------------------
-    def _report(self, w: Work, state: Session, **extra) -> None:
+    def _report(self, w: Work, state: Session, **extra: Unpack[EventDetail]) -> None:
         with self._lock:
             if self._releasing and state == Session.CANCELLED:
-                state, extra = Session.RELEASED, {"reason": f"node {self.cfg.node_id} stopped"}
+                state, extra = Session.RELEASED, EventDetail(reason=f"node {self.cfg.node_id} stopped")
             if state in TERMINAL:
                 self._held.pop(w.session_id, None)
                 self._stage.pop(w.session_id, None)
             else:
                 self._stage[w.session_id] = state
-            self._outbox.append({"session_id": w.session_id, "state": state, "at": time.time(), **extra})
+            self._outbox.append(SessionEvent(session_id=w.session_id, state=state, at=time.time(), **extra))
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.is_set():
@@ -226,23 +238,24 @@ class GatewayNode:
         with self._lock:
             events = list(self._outbox)
             active = list(self._held)
-        body = {"node_id": self.cfg.node_id, "load": self.load(), "active": active, "events": events,
-                "policy": self.policy, "db": str(Path(self.cfg.db).resolve()) if self.cfg.db else None}
+        body = Heartbeat(node_id=self.cfg.node_id, load=self.load(), active=active, events=events,
+                         policy=self.policy, db=str(Path(self.cfg.db).resolve()) if self.cfg.db else None)
         try:
             r = self._client.post(f"{self.cfg.server_url}/nodes/heartbeat", json=body)
             r.raise_for_status()
-            reply = r.json()
+            reply: HeartbeatReply = r.json()
         except (httpx.HTTPError, ValueError) as e:
             log.warning("heartbeat to %s failed: %s", self.cfg.server_url, e)
             return
         self.heartbeats_ok += 1
         with self._lock:
             del self._outbox[:len(events)]   # only what the server has now
-        for sid in reply.get("settled", []):
+        settled = reply.get("settled", [])
+        for sid in settled:
             self._settled.put(sid)
         with self._lock:                     # outcomes the server did not take: no reward
             for ev in events:
-                if ev["state"] in OUTCOMES and ev["session_id"] not in reply.get("settled", []):
+                if ev["state"] in OUTCOMES and ev["session_id"] not in settled:
                     if self._unsettled.pop(ev["session_id"], None) is not None:
                         log.warning("%s: the server has moved on from it; its reward is not stored", ev["session_id"])
         target = reply.get("policy")
@@ -270,13 +283,15 @@ class GatewayNode:
             self.policy = self._apply_policy(target)
             self._beat.set()
 
-    def _apply_policy(self, target: dict) -> dict:
-        served = {k: (self.policy or {}).get(k) for k in ("version", "checkpoint", "asleep")}
-        report: dict = {"target": target["id"], **served, "error": None}
+    def _apply_policy(self, target: PolicyTarget) -> PolicyReport:
+        now = self.policy or PolicyReport()
+        report = PolicyReport(target=target["id"], version=now.get("version"), checkpoint=now.get("checkpoint"),
+                              asleep=now.get("asleep"), error=None)
         if not self.cfg.control_token:
             return {**report, "error": f"node {self.cfg.node_id} takes no syncs: its proxy has no control token"}
-        wanted = {k: target[k] for k in ("version", "checkpoint", "asleep")}
-        if served == wanted and not (self.policy or {}).get("error"):
+        wanted = PolicyReport(version=target["version"], checkpoint=target["checkpoint"], asleep=target["asleep"])
+        if (report["version"], report["checkpoint"], report["asleep"]) == \
+                (target["version"], target["checkpoint"], target["asleep"]) and not now.get("error"):
             return {**report, "detail": "already served"}
         try:
             if target["asleep"]:
@@ -296,7 +311,7 @@ class GatewayNode:
                           headers={"authorization": f"Bearer {self.cfg.control_token}"},
                           trust_env=False, timeout=httpx.Timeout(900.0, connect=5.0))
 
-    def _accept(self, a: dict) -> None:
+    def _accept(self, a: Assignment) -> None:
         w = Work(a["session_id"], task_from_json(a["task"]), a.get("attempt", 1))
         with self._lock:
             if w.session_id in self._held:
@@ -349,21 +364,22 @@ class GatewayNode:
                 continue
             w.outages = self.outages
             self._report(w, Session.RUN)
+            box = w.box
             ctx = harnesses.RunContext(
                 session_id=w.session_id, instruction=w.task.instruction,
                 proxy_port=self.cfg.proxy_port, ca_path=self.cfg.ca_path,
-                home=w.sandbox.home, workdir=w.sandbox.workdir, command=w.task.command)
+                home=box.home, workdir=box.workdir, command=w.task.command)
             try:
                 launch = self.launcher(w.task.harness, ctx)
             except (harnesses.HarnessMissing, ValueError, OSError) as e:
                 w.result = e
                 self.post.put(w)
                 continue
-            w.stats["network"] = getattr(w.sandbox, "network", "unknown")
-            w.result = w.sandbox.run(launch.argv, launch.env, w.task.timeout, "harness",
-                                     proxy_port=self.cfg.proxy_port)
-            w.stats["run_s"] = round(w.result.seconds, 3)
-            w.stats["exit_code"] = w.result.exit_code
+            w.stats["network"] = getattr(box, "network", "unknown")
+            result = w.result = box.run(launch.argv, launch.env, w.task.timeout, "harness",
+                                        proxy_port=self.cfg.proxy_port)
+            w.stats["run_s"] = round(result.seconds, 3)
+            w.stats["exit_code"] = result.exit_code
             self._report(w, Session.POST_RUN)
             self.post.put(w)
 
@@ -396,27 +412,30 @@ class GatewayNode:
             self._report(w, Session.RELEASED, stats=self._stats(w),
                          reason=f"the model backend went down while it ran ({self.backend_error or 'back up since'})")
             return
+        if r is None:
+            raise RuntimeError(f"{w.session_id} reached POST_RUN without a run")
         if r.timed_out:
             # The calls made so far stay in the database; the session scores 0.
-            reason = f"harness timed out after {w.task.timeout:g}s"
-            self._score(w, 0.0, Session.TIMED_OUT, reason)
-            self._report(w, Session.TIMED_OUT, reward=0.0, reason=reason, stats=self._stats(w))
+            why = f"harness timed out after {w.task.timeout:g}s"
+            self._score(w, 0.0, Session.TIMED_OUT, why)
+            self._report(w, Session.TIMED_OUT, reward=0.0, reason=why, stats=self._stats(w))
             return
         if r.exit_code != 0:
             self._failed(w, f"harness exited with code {r.exit_code}: {r.output_tail[-500:].strip()}")
             return
-        reward, reason = None, None
+        reward: float | None = None
+        reason: str | None = None
         if w.task.evaluator is not None:
             t0 = time.monotonic()
-            ev = w.task.evaluator
-            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(w.sandbox.home),
+            ev, box = w.task.evaluator, w.box
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(box.home),
                    "LANG": "C.UTF-8", "POLAR_SESSION": w.session_id, "POLAR_TASK": w.task.task_id,
                    # the sample's index in its group, and the harness's output (its final answer)
-                   "POLAR_SAMPLE": w.session_id.rpartition("~")[2].split(".")[0]}
-            logs = getattr(w.sandbox, "logs", None)
+                   "POLAR_SAMPLE": session_ids.sample_of(w.session_id)}
+            logs = getattr(box, "logs", None)
             if logs is not None and (Path(logs) / "harness.log").exists():
                 env["POLAR_OUTPUT"] = str(Path(logs) / "harness.log")
-            er = w.sandbox.run(["/bin/sh", "-c", ev.command], env, ev.timeout, "evaluator")
+            er = box.run(["/bin/sh", "-c", ev.command], env, ev.timeout, "evaluator")
             w.stats["eval_s"] = round(time.monotonic() - t0, 3)
             w.stats["eval_output"] = er.output_tail[-500:]
             if er.cancelled:
@@ -442,7 +461,7 @@ class GatewayNode:
         else:
             self._report(w, Session.FAILED, reason=reason, stats=self._stats(w))
 
-    def _score(self, w: Work, reward: float, state: str, reason: str | None) -> None:
+    def _score(self, w: Work, reward: float, state: Session, reason: str | None) -> None:
         """Kept until the server settles the outcome (its heartbeat answer): a session the
         server has moved on from (retried elsewhere after a restart) never gets a reward."""
         if self.cfg.db:
@@ -450,17 +469,18 @@ class GatewayNode:
                 self._unsettled[w.session_id] = (reward, {"state": state, "reason": reason}, w.task.task_id)
 
     def _store_rewards(self) -> None:
+        db = self.cfg.db
         while True:
             sid = self._settled.get()
             if sid is None:
                 return
             with self._lock:
                 scored = self._unsettled.pop(sid, None)
-            if scored is None:
+            if scored is None or db is None:
                 continue
             reward, info, task_id = scored
             try:
-                set_reward(self.cfg.db, sid, reward, info=info, task_id=task_id, timeout=120.0)
+                set_reward(db, sid, reward, info=info, task_id=task_id, timeout=120.0)
             except Exception:   # the server holds it too: the loop and `rollout` store it from there
                 log.exception("storing the reward of %s failed", sid)
 
@@ -468,7 +488,7 @@ class GatewayNode:
         stats = {k: v for k, v in w.stats.items() if k != "assigned_at"}
         if self.cfg.db and Path(self.cfg.db).exists():
             try:
-                stats.update(store.call_stats(self.cfg.db, w.session_id, timeout=120.0))
+                stats.update(journal.call_stats(self.cfg.db, w.session_id, timeout=120.0))
             except Exception as e:     # stats are nice to have; the reward is what counts
                 stats["stats_error"] = str(e)
         return stats

@@ -4,10 +4,13 @@ same rewards once the server settles them, but a node killed in between has not.
 
 from __future__ import annotations
 
-FAILED = ("failed", "timed_out")
+from .protocol import Group
+from .states import Session
+
+FAILED = (Session.FAILED, Session.TIMED_OUT)     # outcomes without a reward of their own
 
 
-def reward_records(group: dict, on_failure: str = "zero") -> list[dict]:
+def reward_records(group: Group, on_failure: str = "zero") -> list[dict]:
     """One record per final session with a reward; a failed one scores 0 under on_failure
     "zero" (its group keeps its size) and is left out under "drop"."""
     out = []

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from .. import session_ids
 from ..janitor import group_alive, janitor, kill_marked, uptime
 from .bwrap import NETBRIDGE, Bwrap
 from .bwrap import probe as bwrap_probe
@@ -110,11 +111,11 @@ class LocalSandbox:
         if self._cancelled:
             return RunResult(None, False, True, 0.0, "cancelled before start")
         if self.bwrap:
-            argv = self._bwrapped(argv, env, proxy_port)
+            argv = self._bwrapped(self.bwrap, argv, env, proxy_port)
         else:
             env = {**env, SANDBOX_MARK: self.mark}
             if self.isolate:
-                argv = self._isolated(argv, proxy_port)
+                argv = self._isolated(self.isolate, argv, proxy_port)
         log = self.logs / f"{log_name}.log"
         with open(log, "wb") as out:
             proc = self._start(argv, env, out)
@@ -157,11 +158,11 @@ class LocalSandbox:
             self._pid1 = None        # it failed to start; its exit status says why
         return self._proc
 
-    def _bwrapped(self, argv: list[str], env: dict[str, str], proxy_port: int | None) -> list[str]:
+    def _bwrapped(self, bwrap: Bwrap, argv: list[str], env: dict[str, str], proxy_port: int | None) -> list[str]:
         sock_dir = None
         if proxy_port and self.network == "isolated":
             sock_dir = self._bridge(proxy_port)
-        return self.bwrap.argv(argv, rw=[self.workdir, self.home, self.tmp], ro=[self.logs], env=env,
+        return bwrap.argv(argv, rw=[self.workdir, self.home, self.tmp], ro=[self.logs], env=env,
                                cwd=self.workdir, network=self.network, proxy_port=proxy_port, sock_dir=sock_dir,
                                hide=[self.root.parent])
 
@@ -171,11 +172,11 @@ class LocalSandbox:
         self._bridges.append((UnixToTcp(os.path.join(d, "proxy.sock"), proxy_port), d))
         return d
 
-    def _isolated(self, argv: list[str], proxy_port: int | None) -> list[str]:
+    def _isolated(self, isolate: tuple[str, ...], argv: list[str], proxy_port: int | None) -> list[str]:
         """A new network namespace with loopback only; with proxy_port, 127.0.0.1:proxy_port
         inside leads to the proxy through a unix socket, and nowhere else does."""
         sock = os.path.join(self._bridge(proxy_port), "proxy.sock") if proxy_port else ""
-        return [*self.isolate, sys.executable, NETBRIDGE, str(proxy_port or 0), sock or "-", "--", *argv]
+        return [*isolate, sys.executable, NETBRIDGE, str(proxy_port or 0), sock or "-", "--", *argv]
 
     def _end_sandbox(self, proc: subprocess.Popen) -> None:
         """SIGKILL the sandbox's PID 1: the kernel ends every process of its PID namespace,
@@ -287,7 +288,7 @@ class LocalRuntime:
         sweep_bridges()
 
     def prepare(self, session_id: str, workspace: Workspace) -> LocalSandbox:
-        safe = session_id.replace("/", "_").replace("~", "-")
+        safe = session_ids.file_safe(session_id)
         root = Path(tempfile.mkdtemp(prefix=f"{safe}-", dir=self.base))
         if not self._watched and not self.bwrap:     # bwrap's sandboxes die with this process
             janitor().watch_marks(f"{SANDBOX_MARK}={self.mark}.", uptime())

@@ -13,8 +13,11 @@ gateway and vLLM to it (node.py), and report what they serve in the next heartbe
 policy_status() shows who is there yet. So the loop syncs every node the same way, on one
 machine or many.
 
-This class is the server's state and its Python API; http_api.py serves the same over HTTP
-(FastAPI on uvicorn, in a thread started by start()), and states.py holds the states.
+This class is the shell around the scheduling (scheduler.py: the states and their
+transitions, pure): it holds the lock and the threads, reads the clock, keeps the journal
+(store/rollout_journal.py), posts the callbacks, and is the Python API; http_api.py serves the
+same over HTTP (FastAPI on uvicorn, in a thread started by start()), with the messages of
+protocol.py.
 """
 
 from __future__ import annotations
@@ -25,97 +28,41 @@ import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import httpx
 
-from ..store import rollouts as store
+from ..store import rollout_journal as journal
 from .http_api import ThreadedUvicorn, make_app
-from .spec import TaskChanged, TaskExists, TaskRequest, check_workspace, parse_task, spec_changes, task_from_json
-from .states import (FINISHED, NODE_STATES, NOT_STARTED, ORDER, TASK_SETTLED, TERMINAL, Callback, ServerEvent,
-                     Session, Task)
+from .protocol import (Group, Heartbeat, HeartbeatReply, PolicyStatus, PolicyTarget, Status, TaskBrief,
+                       TaskStatus)
+from .scheduler import (CallbackDue, Effect, NodeState, Noted, Scheduler, SessionMoved, SessionState, TaskMoved,
+                        TaskState)
+from .spec import TaskRequest, check_workspace, parse_task, task_from_json
+from .states import TASK_SETTLED, Callback, Session, Task
 
 log = logging.getLogger("polar.rollout")
-
-# The states of sessions, tasks and callbacks (and TERMINAL, FINISHED, NODE_STATES, ORDER):
-# states.py. An attempt ends "lost" when its node failed it, "released" when its node handed it
-# back (that never counts as a failed attempt).
-__all__ = ["RolloutServer", "TERMINAL", "FINISHED", "NODE_STATES", "ORDER"]
-
-
-@dataclass
-class SessionState:
-    session_id: str
-    task_id: str
-    sample: int
-    attempt: int = 1
-    state: Session = Session.PENDING
-    node_id: str | None = None
-    reward: float | None = None
-    reason: str | None = None
-    stats: dict | None = None
-    assigned_at: float = 0.0
-    cancel: bool = False
-
-    def row(self) -> store.SessionRow:
-        return store.SessionRow(session_id=self.session_id, task_id=self.task_id, sample=self.sample,
-                                attempt=self.attempt, state=self.state, node_id=self.node_id,
-                                reward=self.reward, reason=self.reason, stats=self.stats)
-
-
-@dataclass
-class TaskState:
-    spec: TaskRequest
-    order: int
-    state: Task = Task.QUEUED
-    callback_state: Callback | None = None
-    callback_tries: int = 0
-    cancel_reason: str | None = None
-    latest: dict[int, str] = field(default_factory=dict)     # sample -> its current session id
-    attempts: list[str] = field(default_factory=list)        # every session id, in order made
-
-    def row(self) -> store.TaskRow:
-        return store.TaskRow(task_id=self.spec.task_id, spec=self.spec.to_json(), state=self.state,
-                             priority=self.spec.priority, callback_state=self.callback_state,
-                             callback_tries=self.callback_tries)
-
-
-@dataclass
-class NodeState:
-    node_id: str
-    last_seen: float
-    previous_seen: float = 0.0
-    load: dict = field(default_factory=dict)
-    lost: bool = False
-    in_flight: int = 0         # heartbeats being answered: a node waiting on us is alive
-    policy: dict | None = None # what it serves: version, checkpoint, asleep, target, error
-    db: str | None = None      # its proxy's database (calls and rewards)
 
 
 class RolloutServer:
     def __init__(self, db: str, *, host: str = "127.0.0.1", port: int = 0, node_timeout: float = 10.0,
                  max_attempts: int = 3, flush_s: float = 0.2, callback_tries: int = 8,
                  callback_backoff: float = 0.5, callback_timeout: float = 10.0, callback_workers: int = 16,
-                 check_workspaces: bool = True):
-        self.db, self.node_timeout, self.max_attempts = str(db), node_timeout, max_attempts
-        self.flush_s, self.max_callback_tries, self.callback_backoff = flush_s, callback_tries, callback_backoff
-        self.callback_workers = callback_workers
+                 check_workspaces: bool = True, scheduler: Scheduler | None = None):
+        self.db, self.flush_s, self.callback_workers = str(db), flush_s, callback_workers
+        # The states and their transitions (a given scheduler brings its own settings).
+        self.scheduler = scheduler or Scheduler(max_attempts=max_attempts, node_timeout=node_timeout,
+                                                callback_tries=callback_tries, callback_backoff=callback_backoff)
         # A task's workspace is checked on submission (it must be there on this machine: with
         # nodes elsewhere and workspaces only there, turn it off).
         self.check_workspaces = check_workspaces
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._flush_lock = threading.Lock()
-        self.tasks: dict[str, TaskState] = {}
-        self.sessions: dict[str, SessionState] = {}
-        # Those not finished yet (a finished one never runs again: a retry is a new session):
-        # what heartbeats and the reaper look through, however many a long run has finished.
-        self._open: dict[str, SessionState] = {}
-        self.nodes: dict[str, NodeState] = {}
-        self.policy: dict | None = None       # the target every node syncs to (set_policy)
+        self.policy: PolicyTarget | None = None     # the target every node syncs to (set_policy)
         self._dirty_tasks: set[str] = set()
         self._dirty_sessions: set[str] = set()
-        self._events: list[store.Event] = []
+        self._events: list[journal.Event] = []
+        self._last_at = 0.0
         # callbacks to post: (when, attempt, task_id), each task on its own schedule
         self._callbacks: list[tuple[float, int, str]] = []
         self._callback_tasks: set[str] = set()       # queued or being posted
@@ -128,9 +75,22 @@ class RolloutServer:
         self._client = httpx.Client(timeout=httpx.Timeout(callback_timeout, connect=min(5.0, callback_timeout)),
                                     trust_env=False, limits=httpx.Limits(max_connections=callback_workers))
 
+    # the scheduler's state, read under the lock
+    @property
+    def tasks(self) -> dict[str, TaskState]:
+        return self.scheduler.tasks
+
+    @property
+    def sessions(self) -> dict[str, SessionState]:
+        return self.scheduler.sessions
+
+    @property
+    def nodes(self) -> dict[str, NodeState]:
+        return self.scheduler.nodes
+
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> "RolloutServer":
-        store.ensure(self.db)
+        journal.ensure(self.db)
         self._restore()
         for name, fn in (("journal", self._journal_loop), ("reaper", self._reaper_loop),
                          ("callbacks", self._callback_loop)):
@@ -151,23 +111,15 @@ class RolloutServer:
         self._client.close()
 
     def _restore(self) -> None:
-        tasks, sessions = store.load(self.db)
-        now = time.monotonic()
+        tasks, sessions = journal.load(self.db)
+        restored = [TaskState(task_from_json(t["spec"]), i, Task(t["state"]),
+                              Callback(t["callback_state"]) if t["callback_state"] else None, t["callback_tries"],
+                              t["cancel_reason"])
+                    for i, t in enumerate(tasks)]
+        attempts = [SessionState(r["session_id"], r["task_id"], r["sample"], r["attempt"], Session(r["state"]),
+                                 r["node_id"], r["reward"], r["reason"], r["stats"]) for r in sessions]
         with self._lock:
-            for i, t in enumerate(tasks):
-                ts = TaskState(task_from_json(t["spec"]), i, Task(t["state"]),
-                               Callback(t["callback_state"]) if t["callback_state"] else None, t["callback_tries"])
-                self.tasks[ts.spec.task_id] = ts
-                if ts.callback_state == Callback.PENDING:
-                    self._queue_callback(ts.spec.task_id)
-            for r in sessions:
-                s = SessionState(r["session_id"], r["task_id"], r["sample"], r["attempt"], Session(r["state"]),
-                                 r["node_id"], r["reward"], r["reason"], r["stats"], assigned_at=now)
-                self._add(s, self.tasks[s.task_id])
-                if s.state in NODE_STATES and s.node_id:
-                    # Its node gets node_timeout to report back before the session moves.
-                    self.nodes.setdefault(s.node_id, NodeState(s.node_id, now, now))
-                    self._event(s, s.state, "server restarted; waiting for its node to report")
+            self._perform(self.scheduler.restore(restored, attempts, time.monotonic()))
 
     # -- Python API ----------------------------------------------------------------------
     def submit(self, task: TaskRequest | dict) -> list[str]:
@@ -175,72 +127,39 @@ class RolloutServer:
         same task again raises TaskExists (a rerun resumes it); another spec under the same
         task_id raises TaskChanged; a workspace that is not there, a TaskError."""
         spec = task if isinstance(task, TaskRequest) else parse_task(task)
-        self._known(spec)
+        with self._lock:
+            self.scheduler.check_new(spec)
         if self.check_workspaces:
             check_workspace(spec)
-        with self._lock:
-            self._known(spec)       # again: another submission may have come in meanwhile
-            ts = TaskState(spec, len(self.tasks))
-            self.tasks[spec.task_id] = ts
-            self._dirty_tasks.add(spec.task_id)
-            ids = []
-            for i, sid in enumerate(spec.session_ids()):
-                s = SessionState(sid, spec.task_id, i)
-                self._add(s, ts)
-                self._event(s, Session.PENDING, None)
-                ids.append(sid)
+        with self._lock:        # checked again: another submission may have come in meanwhile
+            ids, effects = self.scheduler.submit(spec)
+            self._perform(effects)
         self.flush()
         return ids
 
-    def _known(self, spec: TaskRequest) -> None:
-        with self._lock:
-            ts = self.tasks.get(spec.task_id)
-            if ts is None:
-                return
-            changes = spec_changes(ts.spec, spec)
-        if changes:
-            raise TaskChanged(spec.task_id, changes)
-        raise TaskExists(f"task {spec.task_id} already exists")
-
     def cancel(self, task_id: str, reason: str = "cancelled by request") -> bool:
         with self._lock:
-            ts = self.tasks.get(task_id)
-            if ts is None:
-                return False
-            if ts.state in TASK_SETTLED:
-                return True
-            ts.cancel_reason = reason
-            self._stop_stragglers(ts, reason)
-            self._check_task(ts)
-        return True
+            found, effects = self.scheduler.cancel(task_id, reason)
+            self._perform(effects)
+        return found
 
-    def task_status(self, task_id: str) -> dict | None:
+    def task_status(self, task_id: str) -> TaskStatus | None:
         with self._lock:
-            ts = self.tasks.get(task_id)
-            if ts is None:
-                return None
-            return {"task_id": task_id, "state": ts.state, "callback_state": ts.callback_state,
-                    "sessions": [self._public(self.sessions[sid]) for sid in self._task_sessions(task_id)]}
+            return self.scheduler.task_status(task_id)
 
-    def task_list(self) -> list[dict]:
+    def task_list(self) -> list[TaskBrief]:
         """Every task and its state, in the order submitted."""
         with self._lock:
-            return [{"task_id": t, "state": ts.state} for t, ts in self.tasks.items()]
+            return self.scheduler.task_list()
 
-    def status(self) -> dict:
+    def group(self, task_id: str) -> Group:
+        """The scored group, as posted to callback_url."""
         with self._lock:
-            counts: dict[str, int] = {}
-            for ts in self.tasks.values():
-                for sid in ts.latest.values():
-                    st = self.sessions[sid].state
-                    counts[st] = counts.get(st, 0) + 1
-            rewards = [s.reward for s in self.sessions.values() if s.reward is not None]
-            return {"tasks": {k: sum(1 for t in self.tasks.values() if t.state == k)
-                              for k in Task},
-                    "sessions": {k: counts[k] for k in ORDER if k in counts},
-                    "rewards": {"n": len(rewards), "mean": sum(rewards) / len(rewards) if rewards else None},
-                    "nodes": {n.node_id: {"lost": n.lost, "seen_s_ago": round(time.monotonic() - n.last_seen, 1),
-                                          **n.load} for n in self.nodes.values()}}
+            return self.scheduler.group(task_id)
+
+    def status(self) -> Status:
+        with self._lock:
+            return self.scheduler.status(time.monotonic())
 
     def wait(self, task_ids: list[str] | None = None, timeout: float | None = None) -> bool:
         """Until the tasks are done or cancelled and their callbacks are settled."""
@@ -259,230 +178,72 @@ class RolloutServer:
         return True
 
     # -- the policy the nodes serve ----------------------------------------------------------
-    def set_policy(self, version: int, checkpoint: str, asleep: bool = False) -> dict:
+    def set_policy(self, version: int, checkpoint: str, asleep: bool = False) -> PolicyTarget:
         """The new target of every node (each gets a fresh id, so setting the same one again
         is a retry); nodes sync to it in their next heartbeats."""
         with self._lock:
-            self.policy = {"id": secrets.token_hex(4), "version": int(version), "checkpoint": str(checkpoint),
-                           "asleep": bool(asleep)}
+            self.policy = PolicyTarget(id=secrets.token_hex(4), version=int(version), checkpoint=str(checkpoint),
+                                       asleep=bool(asleep))
             self._changed.notify_all()
-            return dict(self.policy)
+            return PolicyTarget(**self.policy)
 
-    def policy_status(self) -> dict:
+    def policy_status(self) -> PolicyStatus:
         with self._lock:
-            return {"target": self.policy,
-                    "nodes": {n.node_id: {"lost": n.lost, "policy": n.policy, "db": n.db}
-                              for n in self.nodes.values()}}
+            return PolicyStatus(target=self.policy, nodes=self.scheduler.node_policies())
 
     # -- node protocol -------------------------------------------------------------------
-    def heartbeat(self, body: dict) -> dict:
+    def heartbeat(self, body: Heartbeat) -> HeartbeatReply:
+        """A node's load, its sessions' state changes and its policy; answered, once saved,
+        with new sessions, cancellations, settled outcomes and the policy to serve."""
         node_id = str(body["node_id"])
-        now = time.monotonic()
-        with self._lock:
-            node = self.nodes.get(node_id)
-            if node is None:
-                node = self.nodes[node_id] = NodeState(node_id, now, now)
-                self._task_event(None, ServerEvent.NODE_REGISTERED, node_id, None)
-            elif node.lost:
-                node.lost = False
-                self._task_event(None, ServerEvent.NODE_RETURNED, node_id, None)
-            node.previous_seen, node.last_seen, node.load = node.last_seen, now, body.get("load") or {}
-            node.policy, node.db = body.get("policy") or node.policy, body.get("db") or node.db
-            node.in_flight += 1
         try:
             with self._lock:
-                reply = self._heard(node, body)
+                answer, effects = self.scheduler.heartbeat(body, time.monotonic())
+                self._perform(effects)
+                reply = HeartbeatReply(assign=answer.assign, cancel=answer.cancel, settled=answer.settled,
+                                       policy=self.policy)
             # Durable before the node hears back: it drops the events it reported once
             # answered, and must not start a session a restarted server would not know of.
+            # settled: outcomes the server holds as their sample's (durable once this answer is
+            # sent); the node stores a reward only then, so a superseded attempt never has one.
             self.flush()
             return reply
         finally:
             with self._lock:
-                node.in_flight -= 1
-                node.last_seen = time.monotonic()
+                if node_id in self.scheduler.nodes:
+                    self.scheduler.answered(node_id, time.monotonic())
 
-    def _heard(self, node: NodeState, body: dict) -> dict:
-        node_id, active = node.node_id, set(body.get("active") or [])
-        reported, settled = set(), []
-        for ev in body.get("events") or []:
-            reported.add(ev.get("session_id"))
-            if self._apply(node_id, ev):
-                settled.append(ev["session_id"])
-        cancel = [sid for sid in active
-                  if sid not in self.sessions or self.sessions[sid].node_id != node_id
-                  or self.sessions[sid].state in TERMINAL or self.sessions[sid].cancel]
-        for s in self._live():
-            if (s.node_id == node_id and s.state in NODE_STATES and s.session_id not in active
-                    and s.session_id not in reported and s.assigned_at < node.previous_seen):
-                self._requeue(s, f"node {node_id} no longer holds it")
-        assign = self._assign(node, int((body.get("load") or {}).get("free", 0)))
-        self._changed.notify_all()
-        # settled: outcomes the server holds as their sample's (durable once this answer is
-        # sent); the node stores a reward only then, so a superseded attempt never has one.
-        return {"assign": assign, "cancel": cancel, "settled": settled, "policy": self.policy}
-
-    def _apply(self, node_id: str, ev: dict) -> bool:
-        """One reported state change; True when it is a final outcome the server holds."""
-        s = self.sessions.get(ev.get("session_id"))
-        state = ev.get("state")
-        if s is None or s.node_id != node_id:
-            return False   # stale: the session moved on (lost node, retried elsewhere)
-        if s.state in TERMINAL:   # the same outcome again (our answer was lost) is still settled
-            return s.state == state
-        if state == Session.RELEASED:      # the node stopped, or its backend went down: run it again
-            self._requeue(s, ev.get("reason") or f"released by node {node_id}", counted=False)
-            return False
-        if state not in ORDER:
-            return False
-        s.state = Session(state)
-        if "reward" in ev:
-            s.reward = ev["reward"]
-        if ev.get("reason"):
-            s.reason = ev["reason"]
-        if ev.get("stats") is not None:
-            s.stats = ev["stats"]
-        self._event(s, state, ev.get("reason"))
-        if state in TERMINAL:
-            self._check_task(self.tasks[s.task_id])
-        return state in TERMINAL
-
-    def _assign(self, node: NodeState, free: int) -> list[dict]:
-        if free <= 0:
-            return []
-        pending = [s for s in self._live() if s.state == Session.PENDING and not s.cancel]
-        pending.sort(key=lambda s: (-self.tasks[s.task_id].spec.priority, self.tasks[s.task_id].order, s.sample))
-        out = []
-        for s in pending[:free]:
-            s.state, s.node_id, s.assigned_at = Session.ASSIGNED, node.node_id, time.monotonic()
-            ts = self.tasks[s.task_id]
-            if ts.state == Task.QUEUED:
-                ts.state = Task.RUNNING
-                self._dirty_tasks.add(ts.spec.task_id)
-            self._event(s, Session.ASSIGNED, None)
-            out.append({"session_id": s.session_id, "task": ts.spec.to_json(), "attempt": s.attempt})
-        return out
-
-    def _requeue(self, s: SessionState, reason: str, counted: bool = True) -> None:
-        """The node does not have it (never got it, or restarted; counted: a failed attempt),
-        or handed it back (not counted): run it again."""
-        ts = self.tasks[s.task_id]
-        if s.cancel:
-            s.state, s.reason = Session.CANCELLED, ts.cancel_reason or "cancelled"
-            self._event(s, s.state, s.reason)
-        elif s.state in NOT_STARTED:
-            s.state, s.node_id, s.reason = Session.PENDING, None, reason   # no harness ran: same name
-            self._event(s, Session.PENDING, reason)
-        else:
-            self._retry(s, reason, counted)
-        self._check_task(ts)
-
-    def _retry(self, s: SessionState, reason: str, counted: bool = True) -> None:
-        """A new attempt under a new name: the calls of the lost one stay apart, unrewarded.
-        counted: the node failed it ("lost"; max_attempts of those fail the sample); else it
-        was handed back ("released": a stopped node, a backend down) and never fails it."""
-        ts = self.tasks[s.task_id]
-        s.state, s.reason = (Session.LOST if counted else Session.RELEASED), reason
-        self._event(s, s.state, reason)
-        failures = sum(1 for sid in ts.attempts
-                       if self.sessions[sid].sample == s.sample and self.sessions[sid].state == Session.LOST)
-        if s.cancel or (counted and failures >= self.max_attempts):
-            s.state = Session.FAILED if not s.cancel else Session.CANCELLED
-            s.reason = f"{reason}; {failures} failed attempts" if not s.cancel else (ts.cancel_reason or "cancelled")
-            self._event(s, s.state, s.reason)
-            return
-        n = SessionState(f"{ts.spec.task_id}~{s.sample}.r{s.attempt + 1}", s.task_id, s.sample, s.attempt + 1)
-        self._add(n, ts)
-        self._event(n, Session.PENDING, f"retry of {s.session_id}")
-
-    # -- tasks -----------------------------------------------------------------------
-    def _task_sessions(self, task_id: str) -> list[str]:
-        return list(self.tasks[task_id].attempts)
-
-    def _add(self, s: SessionState, ts: TaskState) -> None:
-        """A new session (or attempt), now the current one of its sample."""
-        self.sessions[s.session_id] = s
-        ts.latest[s.sample] = s.session_id
-        ts.attempts.append(s.session_id)
-        if s.state not in TERMINAL:
-            self._open[s.session_id] = s
-
-    def _live(self) -> list[SessionState]:
-        """The sessions not finished, dropping from _open those that finished since."""
-        live = []
-        for sid, s in list(self._open.items()):
-            if s.state in TERMINAL:
-                del self._open[sid]
-            else:
-                live.append(s)
-        return live
-
-    def _stop_stragglers(self, ts: TaskState, reason: str) -> None:
-        for sid in ts.latest.values():
-            s = self.sessions[sid]
-            if s.state in TERMINAL:
-                continue
-            s.cancel = True
-            if s.state == Session.PENDING:
-                s.state, s.reason = Session.CANCELLED, reason
-                self._event(s, Session.CANCELLED, reason)
-
-    def _check_task(self, ts: TaskState) -> None:
-        latest = [self.sessions[sid] for sid in ts.latest.values()]
-        finished = sum(1 for s in latest if s.state in FINISHED)
-        if ts.spec.early_stop and finished >= ts.spec.early_stop and ts.cancel_reason is None:
-            ts.cancel_reason = f"early stop: {finished} of {ts.spec.num_samples} sessions finished"
-            self._stop_stragglers(ts, ts.cancel_reason)
-        if ts.state in TASK_SETTLED or not all(s.state in TERMINAL for s in latest):
-            return
-        user_cancel = ts.cancel_reason is not None and not ts.cancel_reason.startswith("early stop")
-        ts.state = Task.CANCELLED if user_cancel else Task.DONE
-        if ts.spec.callback_url:
-            ts.callback_state = Callback.PENDING
-            self._queue_callback(ts.spec.task_id)
-        self._dirty_tasks.add(ts.spec.task_id)
-        self._task_event(ts.spec.task_id, ts.state, None, ts.cancel_reason)
+    # -- effects ---------------------------------------------------------------------------
+    def _perform(self, effects: list[Effect]) -> None:
+        """What the scheduler's transitions call for (under the lock): rows and events to
+        journal, callbacks to post; and whoever waits looks again."""
+        for e in effects:
+            if isinstance(e, SessionMoved):
+                self._dirty_sessions.add(e.session_id)
+                self._events.append(journal.Event(at=self._stamp(), task_id=e.task_id, session_id=e.session_id,
+                                                  state=e.state, node_id=e.node_id, detail=e.detail))
+            elif isinstance(e, TaskMoved):
+                self._dirty_tasks.add(e.task_id)
+            elif isinstance(e, Noted):
+                self._events.append(journal.Event(at=self._stamp(), task_id=e.task_id or "", session_id=None,
+                                                  state=e.state, node_id=e.node_id, detail=e.detail))
+            elif isinstance(e, CallbackDue):
+                if e.attempt == 0 and e.task_id in self._callback_tasks:
+                    continue      # queued already
+                self._callback_tasks.add(e.task_id)
+                heapq.heappush(self._callbacks, (time.monotonic() + e.delay, e.attempt, e.task_id))
         self._changed.notify_all()
 
-    def group(self, task_id: str) -> dict:
-        """The scored group, as posted to callback_url."""
-        with self._lock:
-            ts = self.tasks[task_id]
-            return {"task_id": task_id, "state": ts.state, "metadata": ts.spec.metadata,
-                    "sessions": [self._public(self.sessions[sid]) for sid in sorted(ts.latest.values())],
-                    "attempts": [self._public(self.sessions[sid]) for sid in self._task_sessions(task_id)
-                                 if sid not in ts.latest.values()]}
-
-    @staticmethod
-    def _public(s: SessionState) -> dict:
-        return {"session_id": s.session_id, "sample": s.sample, "attempt": s.attempt, "state": s.state,
-                "node_id": s.node_id, "reward": s.reward, "reason": s.reason, "stats": s.stats}
+    def _stamp(self) -> float:
+        """Now (unix seconds), after every event stamped before: events keep their order."""
+        self._last_at = max(time.time(), self._last_at + 1e-6)
+        return self._last_at
 
     # -- background loops ---------------------------------------------------------------
     def _reaper_loop(self) -> None:
-        while not self._stop.wait(min(0.5, self.node_timeout / 4)):
-            now = time.monotonic()
+        while not self._stop.wait(min(0.5, self.scheduler.node_timeout / 4)):
             with self._lock:
-                for node in self.nodes.values():
-                    if node.lost or node.in_flight or now - node.last_seen < self.node_timeout:
-                        continue
-                    node.lost = True
-                    reason = f"node {node.node_id} lost: no heartbeat for {now - node.last_seen:.0f}s"
-                    self._task_event(None, ServerEvent.NODE_LOST, node.node_id, reason)
-                    for s in self._live():
-                        if s.node_id == node.node_id and s.state in NODE_STATES:
-                            if s.cancel:
-                                s.state, s.reason = Session.CANCELLED, self.tasks[s.task_id].cancel_reason
-                                self._event(s, Session.CANCELLED, s.reason)
-                            else:
-                                self._retry(s, reason)
-                            self._check_task(self.tasks[s.task_id])
-                self._changed.notify_all()
-
-    def _queue_callback(self, task_id: str) -> None:
-        """The scored group goes to the task's callback_url (under self._lock)."""
-        if task_id not in self._callback_tasks:
-            self._callback_tasks.add(task_id)
-            heapq.heappush(self._callbacks, (time.monotonic(), 0, task_id))
+                self._perform(self.scheduler.reap(time.monotonic()))
 
     def _callback_loop(self) -> None:
         """Callbacks go out concurrently, each task on its own schedule of retries: one
@@ -502,14 +263,14 @@ class RolloutServer:
             pool.shutdown(wait=False, cancel_futures=True)
 
     def _post_callback(self, task_id: str, attempt: int) -> None:
-        """One try; a failed one is tried again after a backoff, until callback_tries."""
+        """One try; the scheduler says whether it is tried again."""
         if self._stop.is_set():
             return        # still "pending" in the database: a restarted server sends it
-        url = self.tasks[task_id].spec.callback_url
-        body = self.group(task_id)
+        with self._lock:
+            url, body = self.tasks[task_id].spec.callback_url, self.scheduler.group(task_id)
         ok, error = False, None
         try:
-            r = self._client.post(url, json=body)
+            r = self._client.post(str(url), json=body)
             ok, error = r.status_code < 300, f"HTTP {r.status_code}"
         except Exception as e:   # httpx's errors; at stop, the client closed under it
             if self._stop.is_set():
@@ -518,29 +279,11 @@ class RolloutServer:
         if not ok:
             log.warning("callback for %s (try %d) failed: %s", task_id, attempt + 1, error)
         with self._lock:
-            ts = self.tasks[task_id]
-            ts.callback_tries += 1
-            if ok or attempt + 1 >= self.max_callback_tries:
-                ts.callback_state = Callback.SENT if ok else Callback.FAILED
+            self._perform(self.scheduler.callback_result(task_id, attempt, ok, error))
+            if self.tasks[task_id].callback_state != Callback.PENDING:
                 self._callback_tasks.discard(task_id)
-            else:
-                heapq.heappush(self._callbacks,
-                               (time.monotonic() + self.callback_backoff * 2 ** attempt, attempt + 1, task_id))
-            self._dirty_tasks.add(task_id)
-            self._task_event(task_id, ServerEvent.CALLBACK_SENT if ok else ServerEvent.CALLBACK_FAILED, None,
-                             None if ok else error)
-            self._changed.notify_all()
 
     # -- journal ---------------------------------------------------------------------
-    def _event(self, s: SessionState, state: str, detail: str | None) -> None:
-        self._dirty_sessions.add(s.session_id)
-        self._events.append(store.Event(at=time.time(), task_id=s.task_id, session_id=s.session_id,
-                                        state=state, node_id=s.node_id, detail=detail))
-
-    def _task_event(self, task_id: str | None, state: str, node_id: str | None, detail: str | None) -> None:
-        self._events.append(store.Event(at=time.time(), task_id=task_id or "", session_id=None,
-                                        state=state, node_id=node_id, detail=detail))
-
     def _journal_loop(self) -> None:
         while not self._stop.wait(self.flush_s):
             try:
@@ -556,11 +299,11 @@ class RolloutServer:
                     return
                 tasks, sessions, events = self._dirty_tasks, self._dirty_sessions, self._events
                 self._dirty_tasks, self._dirty_sessions, self._events = set(), set(), []
-                batch = store.Batch(tasks=[self.tasks[t].row() for t in tasks],
-                                    sessions=[self.sessions[s].row() for s in sessions], events=events)
+                batch = journal.Batch(tasks=[_task_row(self.tasks[t]) for t in tasks],
+                                      sessions=[_session_row(self.sessions[s]) for s in sessions], events=events)
             t0 = time.monotonic()
             try:
-                store.save(self.db, batch)
+                journal.save(self.db, batch)
                 took = time.monotonic() - t0
                 if took > 1.0:
                     log.warning("saving rollout state took %.1fs", took)
@@ -571,3 +314,13 @@ class RolloutServer:
                     self._events[:0] = events
                 raise
 
+
+def _task_row(ts: TaskState) -> journal.TaskRow:
+    return journal.TaskRow(task_id=ts.spec.task_id, spec=ts.spec.to_json(), state=ts.state,
+                           priority=ts.spec.priority, callback_state=ts.callback_state,
+                           callback_tries=ts.callback_tries, cancel_reason=ts.cancel_reason)
+
+
+def _session_row(s: SessionState) -> journal.SessionRow:
+    return journal.SessionRow(session_id=s.session_id, task_id=s.task_id, sample=s.sample, attempt=s.attempt,
+                              state=s.state, node_id=s.node_id, reward=s.reward, reason=s.reason, stats=s.stats)

@@ -5,15 +5,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
-HARNESSES = ("claude", "codex", "gemini", "qwen", "pi", "command")
+from .. import session_ids
+from .harnesses import DEFAULT as DEFAULT_HARNESS
+from .harnesses import HARNESSES as _REGISTRY
+
+HARNESSES = tuple(_REGISTRY)
 ON_FAILURE = ("zero", "drop")
 REWARD_COVERS = ("all", "main")
-_TASK_ID = re.compile(r"^[A-Za-z0-9._+=@:-]{1,120}$")   # no "~" (it separates TASK~i), no "/"
 
 
 class TaskError(ValueError):
@@ -61,7 +63,7 @@ class Evaluator:
 class TaskRequest:
     task_id: str
     instruction: str
-    harness: str = "pi"
+    harness: str = DEFAULT_HARNESS
     workspace: Workspace = field(default_factory=Workspace)
     num_samples: int = 1
     timeout: float = 600.0              # seconds for one harness run
@@ -79,7 +81,7 @@ class TaskRequest:
     reward_covers: str = "all"
 
     def session_ids(self) -> list[str]:
-        return [f"{self.task_id}~{i}" for i in range(self.num_samples)]
+        return [session_ids.make(self.task_id, i) for i in range(self.num_samples)]
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -99,11 +101,11 @@ def parse_task(data: Any, *, harness: str | None = None, samples: int | None = N
     if samples and "num_samples" not in d:
         d["num_samples"] = samples
     task_id, instruction = d.get("task_id"), d.get("instruction")
-    if not isinstance(task_id, str) or not _TASK_ID.match(task_id):
-        raise TaskError("task_id must be 1-120 characters of letters, digits and ._+=@:- (no '~')")
+    if not isinstance(task_id, str) or not session_ids.valid_task_id(task_id):
+        raise TaskError(f"task_id must be {session_ids.TASK_ID_RULE}")
     if not isinstance(instruction, str) or not instruction.strip():
         raise TaskError(f"{task_id}: instruction must be a non-empty string")
-    h = d.get("harness", "pi")
+    h = d.get("harness", DEFAULT_HARNESS)
     if h not in HARNESSES:
         raise TaskError(f"{task_id}: harness must be one of {', '.join(HARNESSES)}, not {h!r}")
     if h == "command" and not isinstance(d.get("command"), str):
@@ -215,7 +217,7 @@ def check_workspace(task: TaskRequest) -> None:
             raise TaskError(f"{tid}: workspace.commit {ws.commit} is not a commit of {ws.git}")
 
 
-def parse_reward(output: str, exit_code: int) -> float:
+def parse_reward(output: str, exit_code: int | None) -> float:
     """The evaluator's reward: the float on its last non-empty line, else 1.0/0.0 by exit
     status. nan or inf there is a failed evaluation (TaskError), never a reward."""
     lines = [ln.strip() for ln in output.splitlines() if ln.strip()]

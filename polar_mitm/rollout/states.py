@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from ..store.rollout_journal import STOPPING
+
 
 class Session(StrEnum):
     """A session (one attempt at one sample of a task), in the order it goes through them."""
@@ -66,3 +68,6 @@ class ServerEvent(StrEnum):
     NODE_LOST = "node_lost"
     CALLBACK_SENT = "callback_sent"
     CALLBACK_FAILED = "callback_failed"
+    # a task's unfinished sessions are stopped (detail: why: a cancel request, an early stop);
+    # the journal reads it back as the task's cancel_reason after a restart
+    STOPPING = STOPPING

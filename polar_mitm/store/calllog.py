@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import BinaryIO
 
 SEGMENT_BYTES = 32 << 20
 
@@ -64,42 +65,43 @@ class LogAppender:
         self.dir = directory
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.seg = max(segment_ids(directory) + [after]) + 1
-        self._f = None
+        self._f: BinaryIO | None = None
         self._size = 0
         self._open()
 
-    def _open(self) -> None:
+    def _open(self) -> BinaryIO:
         if self._f:
             self._f.close()
         path = segment_path(self.dir, self.seg)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        self._f = os.fdopen(fd, "ab", buffering=0)
+        self._f = f = os.fdopen(fd, "ab", buffering=0)
         self._size = 0
         dfd = os.open(self.dir, os.O_RDONLY)   # make the new file's name durable too
         try:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+        return f
 
     def append(self, data: bytes) -> tuple[Position, Position]:
         """Writes and fsyncs; returns where the data starts and ends in the log."""
-        if self._f is None:          # a failed append could not open the next segment
-            self._open()
+        # (self._f is None: a failed append could not open the next segment)
+        f = self._f if self._f is not None else self._open()
         if self._size and self._size + len(data) > SEGMENT_BYTES:
             self.seg += 1
-            self._open()
+            f = self._open()
         start = Position(self.seg, self._size)
         try:
             view = memoryview(data)
             while view:
-                n = self._f.write(view)
+                n = f.write(view)
                 view = view[n:]
-            os.fsync(self._f.fileno())
+            os.fsync(f.fileno())
         except BaseException:
             # A partial write (disk full) must not be followed by the next batch, glued to
             # its half line: cut it off, and go on in a fresh segment whatever happens.
             try:
-                os.ftruncate(self._f.fileno(), self._size)
+                os.ftruncate(f.fileno(), self._size)
             except OSError:
                 pass
             self.seg += 1

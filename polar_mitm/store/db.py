@@ -10,11 +10,14 @@ import os
 import time
 import uuid
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import duckdb
+import orjson
 
+from ..session_ids import task_of
 from .connection import StoreBusy, _is_lock_error, _sql_path, connect  # noqa: F401 - re-exported
 from .schema import MIGRATIONS
 
@@ -151,10 +154,10 @@ def writing(path: str | os.PathLike, timeout: float = 30.0) -> Iterator[duckdb.D
 
 def schema_version(con: duckdb.DuckDBPyConnection) -> int:
     exists = con.execute("SELECT count(*) FROM information_schema.tables "
-                         "WHERE table_name = 'schema_version'").fetchone()[0]
+                         "WHERE table_name = 'schema_version'").fetchall()[0][0]
     if not exists:
         return 0
-    return con.execute("SELECT coalesce(max(version), 0) FROM schema_version").fetchone()[0]
+    return con.execute("SELECT coalesce(max(version), 0) FROM schema_version").fetchall()[0][0]
 
 
 def migrate(con: duckdb.DuckDBPyConnection) -> int:
@@ -217,15 +220,50 @@ def export_parquet(path: str | os.PathLike, out_dir: str | os.PathLike,
     return written
 
 
+@dataclass(frozen=True)
+class Reward:
+    """A session's reward to store (sessions.reward and reward_info)."""
+    session_id: str
+    reward: float
+    info: Any = None
+    task_id: str | None = None   # a session not stored yet: its task (default: TASK of TASK~SAMPLE)
+
+
+# A stored session keeps its task_id: it is its GRPO group, set from its id when its calls
+# were recorded, and a reward never moves a session to another group. A session not seen
+# yet (its calls not loaded yet, or none) is created with the reward's task.
+_UPSERT_REWARD = (
+    "INSERT INTO sessions (session_id, task_id, source, reward, reward_info) "
+    "VALUES (?, ?, 'rollout', ?, ?) ON CONFLICT (session_id) DO UPDATE SET "
+    "reward = excluded.reward, reward_info = excluded.reward_info, "
+    "task_id = coalesce(sessions.task_id, excluded.task_id)")
+
+
+def store_rewards(path: str | os.PathLike, rewards: Iterable[Reward], timeout: float = 30.0) -> int:
+    """Set sessions.reward (and reward_info) of each session, in one transaction; returns how
+    many. The one reward write: set_reward and store.training.set_rewards both come here."""
+    rows = [[r.session_id, r.task_id or task_of(r.session_id), float(r.reward),
+             orjson.dumps(r.info).decode() if r.info is not None else None] for r in rewards]
+    if not Path(path).exists():
+        raise FileNotFoundError(f"no database at {path}")
+    if not rows:
+        return 0
+    for attempt in range(5):
+        try:
+            with writing(path, timeout) as con:
+                con.execute("BEGIN")
+                con.executemany(_UPSERT_REWARD, rows)
+                con.execute("COMMIT")
+            return len(rows)
+        except duckdb.TransactionException as e:
+            # A node of this process storing the same settled reward at the same moment
+            # ("Conflict on update!"): the upsert is idempotent, so it is tried again.
+            if "Conflict" not in str(e) or attempt == 4:
+                raise
+            time.sleep(0.05 * 2 ** attempt)
+    return len(rows)
 
 
 def set_reward(path: str | os.PathLike, session_id: str, reward: float,
                info: Any = None, task_id: str | None = None, timeout: float = 30.0) -> None:
-    import orjson
-    with writing(path, timeout) as con:
-        con.execute(
-            "INSERT INTO sessions (session_id, task_id, source, reward, reward_info) "
-            "VALUES (?, ?, 'rollout', ?, ?) ON CONFLICT (session_id) DO UPDATE SET "
-            "reward = excluded.reward, reward_info = excluded.reward_info, "
-            "task_id = coalesce(excluded.task_id, sessions.task_id)",
-            [session_id, task_id, reward, orjson.dumps(info).decode() if info is not None else None])
+    store_rewards(path, [Reward(session_id, reward, info, task_id)], timeout)

@@ -5,8 +5,9 @@ A harness re-sends the whole conversation on every turn, and vLLM's prompt for t
 extends turn k-1's prompt + sampled tokens. So against the right base call:
     request text = base[:prefix] + middle + base[len(base) - suffix:]
     prompt ids   = (base prompt ids + base token ids)[:shared] + suffix ids
-The calls view (schema.py) applies these rules recursively; `apply_*` here are the same
-rules in Python, for readers that rebuild whole sessions at once."""
+The calls view (schema.py) applies these rules recursively; `apply_ids` here is the same
+rule in Python, for the trainer's reader, which rebuilds whole sessions at once. (The exact,
+unblocked reference algorithms the tests check these against are tests/delta_oracles.py.)"""
 
 from __future__ import annotations
 
@@ -39,44 +40,6 @@ def common_prefix(a, b) -> int:
     return lo
 
 
-def common_suffix(a, b, limit: int) -> int:
-    """Length of the common suffix, at most `limit` (so it never overlaps a prefix)."""
-    n = min(len(a), len(b), limit)
-    i = 0   # a[len(a)-i:] == b[len(b)-i:]
-    la, lb = len(a), len(b)
-    while i < n:
-        j = min(i + _CHUNK, n)
-        if a[la - j:la - i] == b[lb - j:lb - i]:
-            i = j
-            continue
-        lo, hi = i, j - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if a[la - mid:la - i] == b[lb - mid:lb - i]:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-    return n
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    prefix: int
-    suffix: int
-    middle: str
-
-
-def text_delta(base: str, text: str) -> TextDelta:
-    prefix = common_prefix(base, text)
-    suffix = common_suffix(base, text, min(len(base), len(text)) - prefix)
-    return TextDelta(prefix, suffix, text[prefix:len(text) - suffix])
-
-
-def apply_text(base: str, prefix: int, suffix: int, middle: str) -> str:
-    return base[:prefix] + middle + (base[len(base) - suffix:] if suffix else "")
-
-
 def apply_ids(base_prompt: Sequence[int], base_tokens: Sequence[int], shared: int,
               suffix: Sequence[int]) -> list[int]:
     head = list(base_prompt[:shared])
@@ -106,28 +69,6 @@ def join_ids(prompt: bytes, tokens: bytes | None) -> bytes:
     if len(prompt) <= 2:
         return tokens
     return prompt[:-1] + b"," + tokens[1:]
-
-
-def shared_ids(base: bytes, ids: bytes) -> tuple[int, int]:
-    """How many leading ids two JSON id lists share (those whose separator, `,` or `]`,
-    lies inside their common prefix, or right at its end in both), and the index in `ids`
-    of the last shared one's separator (0 when none is shared)."""
-    if len(ids) <= 2 or len(base) <= 2:
-        return 0, 0
-    p = common_prefix(base, ids)
-    if p >= len(ids):
-        return count_ids(ids), len(ids) - 1
-    if ids[p:p + 1] in (b",", b"]") and base[p:p + 1] in (b",", b"]"):
-        return ids.count(b",", 0, p) + 1, p
-    return ids_before(ids, p)
-
-
-def ids_before(ids: bytes, p: int) -> tuple[int, int]:
-    """How many ids of a JSON id list have their separator before byte p (so, where the
-    first p bytes equal another list's, are whole in both), and the index of the last such
-    separator (0 when none)."""
-    cut = ids.rfind(b",", 0, p)
-    return (ids.count(b",", 0, cut) + 1, cut) if cut > 0 else (0, 0)
 
 
 TEXT_BLOCK = 1024   # characters of request text per fingerprint block
@@ -239,7 +180,7 @@ class DeltaCache:
         whole = CallDelta(None, 0, 0, text, 0, prompt)
         if not entries:
             return whole
-        best, best_blocks = None, -1
+        best, best_blocks = entries[-1], -1
         for e in reversed(entries):   # newest first: ties go to the most recent call
             blocks = shared_blocks(e.ids_head, fp.prompt_head) if prompt else 0
             if blocks > best_blocks:

@@ -76,10 +76,10 @@ def stored_row(sid: str, rec: dict, deltas: DeltaCache) -> tuple[dict, tuple]:
     suffix = d.prompt_suffix
     if prompt is None:
         prompt_len = None
-    elif d.base_call is None:
-        prompt_len = count_ids(prompt)
-    else:   # counted on the few new ids, not on the whole prompt again
+    elif d.base_call is not None and suffix is not None:   # a delta: counted on the few new ids
         prompt_len = d.prompt_shared + count_ids(suffix)
+    else:
+        prompt_len = count_ids(prompt)
     row = rec | {"base_call": d.base_call, "request_prefix": d.request_prefix,
                  "request_suffix": d.request_suffix, "request_middle": d.request_middle,
                  "request_chars": len(text), "prompt_shared": d.prompt_shared,

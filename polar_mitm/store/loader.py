@@ -22,11 +22,12 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import duckdb
 import orjson
@@ -76,6 +77,39 @@ class LoaderConfig:
     max_boost: int = 3                 # doublings of a failed load's memory, at most
 
 
+class AckTimes:
+    """The total_ms of calls this process acknowledged, by call_id: the proxy's log thread
+    stamps them at the durable append, its loader thread takes them as it loads their lines
+    (and gives back what a failed load took). Two threads, so every access holds the lock."""
+
+    LIMIT = 100_000   # a bound: stamps never taken (their lines loaded elsewhere) do not pile up
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ms: dict[str, float] = {}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._ms)
+
+    def stamp(self, stamps: Iterable[tuple[str, float]]) -> None:
+        with self._lock:
+            if len(self._ms) > self.LIMIT:
+                self._ms.clear()
+            self._ms.update(stamps)
+
+    def take(self, call_id: str | None) -> float | None:
+        if call_id is None:
+            return None
+        with self._lock:
+            return self._ms.pop(call_id, None)
+
+    def give_back(self, taken: dict[str, float] | None) -> None:
+        if taken:
+            with self._lock:
+                self._ms.update(taken)   # the retry stamps them again
+
+
 class PositionMoved(RuntimeError):
     """The database's stored log position is not where this load starts."""
 
@@ -96,7 +130,7 @@ class Loader:
         self.db_path = str(db_path)
         self.config = config or LoaderConfig()
         self.dir = log_dir(db_path)
-        self.con = None
+        self.con: duckdb.DuckDBPyConnection | None = None
         self.position = Position()   # committed in the database (read at each open)
         self.lines_loaded = 0        # lines stored since this loader started (pending counts)
         self.loads = 0
@@ -108,7 +142,7 @@ class Loader:
         self._memory = 0
         self._tail_rows = 0          # rows of the tail's part-filled last row group
         self._tail_bytes = 0         # and the bytes of their lines (estimated at open)
-        self._known_sessions: set[str] = set()
+        self._known_sessions: set[str | None] = set()
         self._synced = False         # self.position was read from this database once
 
     # ---- the connection ------------------------------------------------------------------
@@ -129,7 +163,7 @@ class Loader:
             for setting in LOADER_SETTINGS:
                 con.execute(setting)
             committed = stored_position(con)
-            tail = con.execute(f"SELECT count(*) FROM {TAIL}").fetchone()[0]
+            (tail,) = con.execute(f"SELECT count(*) FROM {TAIL}").fetchone() or (0,)
         except BaseException as e:
             con.close()
             self.failed(e)
@@ -166,7 +200,7 @@ class Loader:
 
     # ---- loads -----------------------------------------------------------------------------
 
-    def load(self, target: Position, *, group: bool, ack_ms: dict[str, float] | None = None) -> int:
+    def load(self, target: Position, *, group: bool, ack_ms: AckTimes | None = None) -> int:
         """One transaction from the committed position towards `target`: a whole row group
         (group=True; if its lines are more than group_bytes, a tail load of them instead),
         or the rest (fewer lines, group_bytes at most). Returns the lines read. Raises on failure, with the
@@ -186,14 +220,14 @@ class Loader:
                 # A row group of lines past group_bytes: the tail takes them a quarter of
                 # that at a time (far fewer checkpoints of its growing row group than
                 # read_bytes would make), with memory for that row group.
-                _restore(ack_ms, batch.acks)
+                _give_back(ack_ms, batch.acks)
                 batch, end = read_batch(self.dir, scratch, start, target, ack_ms, chunk=cfg.read_bytes,
                                         max_lines=None, max_bytes=max(cfg.read_bytes, cfg.group_bytes // 4))
             if end == start:
                 return 0   # nothing readable before target (a torn last line at most)
             table = MAIN if batch.whole else TAIL
             self._set_memory(batch, table)
-            batch.insert(self.con, start, end, self._known_sessions, table)
+            batch.insert(self._connection(), start, end, self._known_sessions, table)
             self.position = end   # committed, whatever fails after this
             self.lines_loaded += batch.lines
             self.loads += 1       # counted with its lines: a reader never sees one without the other
@@ -203,9 +237,9 @@ class Loader:
                 self._tail_bytes += batch.bytes
                 if self._tail_rows >= ROW_GROUP_ROWS:
                     self._tail_rows, self._tail_bytes = self._tail_rows % ROW_GROUP_ROWS, -1
-                self.con.execute("CHECKPOINT")
+                self._connection().execute("CHECKPOINT")
         except BaseException as e:
-            _restore(ack_ms, batch.acks if batch is not None else None)
+            _give_back(ack_ms, batch.acks if batch is not None else None)
             self.failed(e)
             raise
         self.succeeded()
@@ -230,6 +264,11 @@ class Loader:
         self._boost = min(self._boost + 1, self.config.max_boost)
         self.close()
 
+    def _connection(self) -> duckdb.DuckDBPyConnection:
+        if self.con is None:
+            raise RuntimeError("the loader has no connection (open() first)")
+        return self.con
+
     def _set_memory(self, batch: "LoadBatch", table: str) -> None:
         cfg = self.config
         held = batch.bytes
@@ -241,14 +280,14 @@ class Loader:
         memory = (cfg.base_memory + csv_buffer(batch.longest, cfg) + 5 * batch.longest
                   + int(cfg.line_memory * held)) << self._boost
         if memory != self._memory:
-            self.con.execute(f"SET memory_limit = '{memory}B'")
+            self._connection().execute(f"SET memory_limit = '{memory}B'")
             self._memory = memory
 
     def _shrink(self) -> None:
         """Between loads DuckDB would keep what a load used, cached up to its memory_limit
         (measured: ~75 MB after a whole row group); a small limit makes it let go at once."""
         try:
-            self.con.execute(f"SET memory_limit = '{self.config.idle_memory}B'")
+            self._connection().execute(f"SET memory_limit = '{self.config.idle_memory}B'")
             self._memory = self.config.idle_memory
         except duckdb.Error:
             pass   # it could not free that much: the next load sets its own limit anyway
@@ -258,9 +297,9 @@ class Loader:
         return LoaderHealth(state, self.failures, self.last_error, self.failing_since)
 
 
-def _restore(ack_ms: dict | None, acks: dict | None) -> None:
-    if ack_ms is not None and acks:
-        ack_ms.update(acks)   # the retry stamps them again
+def _give_back(ack_ms: AckTimes | None, taken: dict[str, float] | None) -> None:
+    if ack_ms is not None:
+        ack_ms.give_back(taken)
 
 
 def meta_value(con, key: str) -> str | None:
@@ -291,16 +330,17 @@ class LoadBatch:
         self.sessions: set[str | None] = set()
         self.acks: dict[str, float] = {}
 
-    def add(self, lines: list[bytes], ack_ms: dict[str, float] | None = None) -> None:
+    def add(self, lines: list[bytes], ack_ms: AckTimes | None = None) -> None:
         """ack_ms: the total_ms of calls this process acknowledged (taken once used)."""
         self.lines += len(lines)
-        lines = [line if line.startswith(LINE_MARK) else upgrade(line) for line in lines]
-        lines = [line if line.endswith(b"\n") else line + b"\n" for line in lines if line]
+        current = [line if line.startswith(LINE_MARK) else upgrade(line) for line in lines]
+        lines = [line if line.endswith(b"\n") else line + b"\n" for line in current if line]
         for line in lines:
             if ack_ms:
                 cid = call_id(line)
-                if cid in ack_ms:
-                    self.acks[cid] = ack_ms.pop(cid)
+                ms = ack_ms.take(cid)
+                if cid is not None and ms is not None:
+                    self.acks[cid] = ms
             self.sessions.add(session_id(line))
             self.longest = max(self.longest, len(line))
             self.bytes += len(line)
@@ -316,7 +356,7 @@ class LoadBatch:
         """A whole row group: it goes to call_records_main, anything less to the tail."""
         return self.stored == ROW_GROUP_ROWS
 
-    def insert(self, con, start: Position, end: Position, known: set[str] | None, table: str) -> None:
+    def insert(self, con, start: Position, end: Position, known: set[str | None] | None, table: str) -> None:
         """One transaction: these calls and the log position after them, if the database's
         position is `start`. known: the session ids already stored (added to here). A line
         DuckDB refuses is stored as a failed call that says why, rather than hold up every
@@ -340,7 +380,7 @@ class LoadBatch:
 
 
 def read_batch(directory: Path, scratch: Path, start: Position, target: Position,
-               ack_ms: dict[str, float] | None, *, chunk: int, max_lines: int | None,
+               ack_ms: AckTimes | None, *, chunk: int, max_lines: int | None,
                max_bytes: int) -> tuple[LoadBatch, Position]:
     """The log lines from `start` towards `target` (at most max_lines, about max_bytes) in
     the scratch file, read `chunk` bytes at a time, and the position after them."""

@@ -1,25 +1,59 @@
 """The closed loop's bookkeeping (polar-train loop): one row per iteration, per optimizer
-step and per policy version. Plain dicts in; all SQL here."""
+step and per policy version. Typed rows in; all SQL here."""
 
 from __future__ import annotations
 
 import os
-from typing import Iterable
+from typing import Any, Iterable, Mapping, TypedDict
 
 import orjson
 
 from .db import reading, writing
 
-ITERATION_COLUMNS = (
-    "run_id", "iteration", "policy_version", "checkpoint", "reward_mean", "reward_std",
-    "eval_reward_mean", "sessions_done", "sessions_failed", "sessions_timed_out", "calls", "tokens",
-    "stale_dropped", "loss", "clip_frac", "logprob_abs_diff", "rollout_s", "train_s", "sync_s", "sync_drain_s",
-    "sync_reload_s", "sync_reset_s", "sync_wake_s", "sleep_s", "per_task")
+
+class TaskRewards(TypedDict):
+    mean: float | None
+    std: float | None
+    n: int
 
 
-def record_iteration(db: str | os.PathLike, row: dict, steps: Iterable[dict], timeout: float = 120.0) -> None:
-    """The iteration's row and its optimizer steps, replacing those of an earlier try of it."""
-    values = [orjson.dumps(row[c]).decode() if c == "per_task" else row.get(c) for c in ITERATION_COLUMNS]
+class IterationRow(TypedDict, total=False):
+    """One loop_iterations row, filled in as the iteration goes (absent: NULL)."""
+    run_id: str
+    iteration: int
+    policy_version: int              # the version that sampled the iteration
+    checkpoint: str | None           # what it trained, served as policy_version + 1
+    reward_mean: float | None
+    reward_std: float | None
+    eval_reward_mean: float | None
+    sessions_done: int
+    sessions_failed: int
+    sessions_timed_out: int
+    calls: int
+    tokens: int
+    stale_dropped: int
+    loss: float | None
+    clip_frac: float | None
+    logprob_abs_diff: float | None
+    rollout_s: float
+    train_s: float
+    sync_s: float
+    sync_drain_s: float | None
+    sync_reload_s: float | None
+    sync_reset_s: float | None
+    sync_wake_s: float | None
+    sleep_s: float | None
+    per_task: dict[str, TaskRewards]   # stored as JSON
+
+
+ITERATION_COLUMNS = tuple(IterationRow.__annotations__)
+
+
+def record_iteration(db: str | os.PathLike, row: IterationRow, steps: Iterable[Mapping[str, Any]],
+                     timeout: float = 120.0) -> None:
+    """The iteration's row and its optimizer steps (the trainer's metrics, global_step
+    included), replacing those of an earlier try of it."""
+    values = [orjson.dumps(row.get(c)).decode() if c == "per_task" else row.get(c) for c in ITERATION_COLUMNS]
     with writing(db, timeout) as con:
         con.execute("BEGIN")
         con.execute("DELETE FROM loop_iterations WHERE run_id = ? AND iteration = ?",
@@ -42,8 +76,9 @@ def record_version(db: str | os.PathLike, run_id: str, version: int, checkpoint:
                     [run_id, version, checkpoint])
 
 
-def iterations(db: str | os.PathLike, run_id: str, timeout: float = 30.0) -> list[dict]:
+def iterations(db: str | os.PathLike, run_id: str, timeout: float = 30.0) -> list[dict[str, Any]]:
+    """The run's loop_iterations rows as stored (per_task as JSON text), in order."""
     with reading(db, timeout) as con:
         cur = con.execute("SELECT * FROM loop_iterations WHERE run_id = ? ORDER BY iteration", [run_id])
-        cols = [d[0] for d in cur.description]
+        cols = [d[0] for d in cur.description or []]
         return [dict(zip(cols, r)) for r in cur.fetchall()]

@@ -1,6 +1,6 @@
 """What the trainer reads: the recorded calls of chosen sessions or tasks, with their
-session's reward. Plain dicts and lists out (no torch here); calls that cannot be
-trained on are skipped and counted by reason, never silently used.
+session's reward, as the records the trainer takes (polar_mitm.trainer_input; no torch here);
+calls that cannot be trained on are skipped and counted by reason, never silently used.
 
 The sampling rule (sampling_exclusion): a call is trained only if vLLM sampled it from the
 distribution the trainer computes, its logits at the trainer's temperature, nothing cut off
@@ -10,17 +10,16 @@ recorded before the rule are judged the same way."""
 from __future__ import annotations
 
 import os
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, TypedDict
+from typing import Any, Iterable, Mapping
 
-import duckdb
 import orjson
 
-from .db import reading, writing
-from ..session_ids import attempt_of, task_of
+from ..trainer_input import Call, SessionReward, policy_version_of
+from ..session_ids import attempt_of
+from .db import Reward, reading, store_rewards
 from .delta import apply_ids
 
 # Calls vLLM sampled from another distribution than the trainer's, by the first rule that applies.
@@ -75,31 +74,19 @@ def sampling_exclusion(params: dict | None, temperature: float | None = 1.0) -> 
     return None
 
 
-class TrainingCall(TypedDict):
-    db: str
-    session_id: str
-    task_id: str | None
-    seq: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str | None
-    policy_version: str | None
-    reward: float | None
-
-
 @dataclass
 class TrainingData:
-    calls: list[TrainingCall]
-    skipped: Counter = field(default_factory=Counter)   # reason -> calls skipped
+    # The kept calls, ordered by group, session and seq so that every builder sees one order.
+    calls: list[Call]
+    skipped: Counter[str] = field(default_factory=Counter)   # reason -> calls skipped
     sessions_without_reward: int = 0
     sessions: int = 0                                   # sessions with at least one kept call
     # Every rewarded session (one per sample) of the groups read, those with no trainable
-    # call included: session -> (group, reward). The trainer's group baselines count them all.
-    rewards: dict = field(default_factory=dict)
+    # call included. The trainer's group baselines count them all.
+    rewards: dict[str, SessionReward] = field(default_factory=dict)
     # Calls of each session's main loop (its most used model) and the others (a router's, a
     # title call's), however the reward covers them: {"main": n, "auxiliary": m}.
-    call_kinds: Counter = field(default_factory=Counter)
+    call_kinds: Counter[str] = field(default_factory=Counter)
 
 
 # The stored rows, not the calls view: prompt ids are rebuilt here from their deltas
@@ -118,7 +105,7 @@ ORDER BY c.session_id, c.seq
 
 def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None = None,
                    sessions: list[str] | None = None, require_reward: bool = True,
-                   temperature: float | None = 1.0, reward_covers: str | dict = "all",
+                   temperature: float | None = 1.0, reward_covers: str | Mapping[str, str] = "all",
                    timeout: float = 30.0) -> TrainingData:
     """Read the trainable calls of every database (one per gateway machine), optionally
     only those of TASKS or SESSIONS. A session id seen in two files is one session, and its
@@ -127,7 +114,8 @@ def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None 
     are skipped and counted by reason (None: temperature not checked). reward_covers: "all",
     or "main" (only the calls of each session's main loop, the model it called most), for
     every task or per task ({task_id: "all" | "main"}, "all" for a task not named)."""
-    where, params = ["TRUE"], []
+    where: list[str] = ["TRUE"]
+    params: list[str] = []
     if tasks:
         where.append(f"s.task_id IN ({', '.join('?' * len(tasks))})")
         params += list(tasks)
@@ -138,7 +126,8 @@ def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None 
     out = TrainingData(calls=[])
     unrewarded: set[str] = set()
     kept_sessions: set[str] = set()
-    files, rewards = [], {}   # rewards: session -> the first file's (in the order given)
+    files: list[tuple[Path, list[tuple[Any, ...]]]] = []
+    rewards: dict[str, float] = {}   # session -> the first file's reward (in the order given)
     groups: dict[str, str] = {}   # rewarded session -> its GRPO group (its task, or itself)
     for db in dbs:
         path = Path(db)
@@ -197,11 +186,10 @@ def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None 
                 unrewarded.add(session_id)
                 continue
             kept_sessions.add(session_id)
-            out.calls.append(TrainingCall(
-                db=str(path), session_id=session_id, task_id=task_id, seq=seq,
-                prompt_token_ids=list(prompt), token_ids=list(tokens),
-                logprobs=[float(x) for x in logprobs], finish_reason=finish,
-                policy_version=version, reward=reward))
+            out.calls.append(Call(
+                session_id=session_id, group=task_id or session_id, seq=seq, prompt=list(prompt),
+                tokens=list(tokens), logprobs=[float(x) for x in logprobs], finish_reason=finish,
+                policy_version=policy_version_of(version), reward=reward, db=str(path)))
     # One session per sample: when a retry (TASK~i.r2) and the attempt it replaced (TASK~i,
     # rewarded before its node was declared lost) both have rewards, the latest counts, so
     # a group never holds more rewarded sessions than samples.
@@ -211,18 +199,19 @@ def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None 
         latest[sample] = max(latest.get(sample, 0), attempt)
     superseded = {sid for sid in kept_sessions if attempt_of(sid)[1] < latest[attempt_of(sid)[0]]}
     if superseded:
-        out.skipped["superseded_attempt"] += sum(c["session_id"] in superseded for c in out.calls)
-        out.calls = [c for c in out.calls if c["session_id"] not in superseded]
+        out.skipped["superseded_attempt"] += sum(c.session_id in superseded for c in out.calls)
+        out.calls = [c for c in out.calls if c.session_id not in superseded]
         kept_sessions -= superseded
     out.sessions = len(kept_sessions)
     out.sessions_without_reward = len(unrewarded)
-    read = {c["task_id"] or c["session_id"] for c in out.calls}
+    out.calls.sort(key=lambda c: (c.group, c.session_id, c.seq))
+    read = {c.group for c in out.calls}
     chosen = [sid for sid in rewards if groups[sid] in read and (not sessions or sid in sessions)]
     final: dict[str, int] = {}
     for sid in chosen:
         sample, attempt = attempt_of(sid)
         final[sample] = max(final.get(sample, 0), attempt)
-    out.rewards = {sid: (groups[sid], float(rewards[sid])) for sid in chosen
+    out.rewards = {sid: SessionReward(groups[sid], float(rewards[sid])) for sid in chosen
                    if attempt_of(sid)[1] == final[attempt_of(sid)[0]]}
     return out
 
@@ -247,37 +236,16 @@ def task_reward_covers(dbs: Iterable[str | os.PathLike], timeout: float = 30.0) 
     return out
 
 
-def set_rewards(db: str | os.PathLike, rewards: Iterable[dict], timeout: float = 30.0) -> int:
-    """Set sessions.reward from {session_id, reward[, info]} records; returns how many.
-    A session not seen yet is created (with its TASK~SAMPLE task)."""
-    rows = []
-    for i, r in enumerate(rewards):
-        if not isinstance(r, dict) or not isinstance(r.get("session_id"), str):
+def set_rewards(db: str | os.PathLike, records: Iterable[Mapping[str, Any]], timeout: float = 30.0) -> int:
+    """Set sessions.reward from {session_id, reward[, info]} records (a rewards file's, the
+    rollout server's), checked first; returns how many. A session not seen yet is created
+    with its TASK~SAMPLE task (db.store_rewards)."""
+    rewards = []
+    for i, r in enumerate(records):
+        if not isinstance(r, Mapping) or not isinstance(r.get("session_id"), str):
             raise ValueError(f"record {i + 1}: needs a string session_id")
         reward = r.get("reward")
         if isinstance(reward, bool) or not isinstance(reward, (int, float)):
             raise ValueError(f"record {i + 1} ({r['session_id']}): reward must be a number")
-        info = r.get("info")
-        rows.append([r["session_id"], task_of(r["session_id"]), float(reward),
-                     orjson.dumps(info).decode() if info is not None else None])
-    if not Path(db).exists():
-        raise FileNotFoundError(f"no database at {db}")
-    for attempt in range(5):
-        try:
-            with writing(db, timeout) as con:
-                con.execute("BEGIN")
-                con.executemany(
-                    "INSERT INTO sessions (session_id, task_id, source, reward, reward_info) "
-                    "VALUES (?, ?, 'rollout', ?, ?) ON CONFLICT (session_id) DO UPDATE SET "
-                    "reward = excluded.reward, reward_info = excluded.reward_info, "
-                    "task_id = coalesce(sessions.task_id, excluded.task_id)", rows)
-                con.execute("COMMIT")
-            return len(rows)
-        except duckdb.TransactionException as e:
-            # A node of this process storing the same settled reward at the same moment
-            # ("Conflict on update!"): the upsert is idempotent, so it is tried again.
-            if "Conflict" not in str(e) or attempt == 4:
-                raise
-            time.sleep(0.05 * 2 ** attempt)
-    return len(rows)
-
+        rewards.append(Reward(r["session_id"], float(reward), r.get("info")))
+    return store_rewards(db, rewards, timeout)

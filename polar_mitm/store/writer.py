@@ -1,8 +1,8 @@
 """The proxy's writer: calls are acknowledged after a durable append to the call log, and a
 loader thread moves the log into DuckDB in bulk, off the request path.
 
-- submit() hands a record to the log thread and returns a future. The thread serializes
-  each record on its own (one bad record fails only its own call), appends the batch to
+- submit() hands a record (records.py) to the log thread and returns a future. The thread
+  serializes each record on its own (one bad record fails only its own call), appends the batch to
   the log and fsyncs once for all of them (group commit), then resolves the futures with
   each call's sequence number. Records that arrive during an fsync share the next one.
 - The loader thread wakes every few tens of milliseconds and loads (loader.py: exactly
@@ -12,6 +12,11 @@ loader thread moves the log into DuckDB in bulk, off the request path.
   the reader sees every acknowledged call, then leaves the file alone until the reader is
   done. Calls never wait on DuckDB, whoever holds it, for however long, or however often
   loading fails: the log keeps them, and the loader retries with backoff.
+
+Threads: the log thread owns the numbering and the delta cache; the loader thread owns the
+Loader (its counters are only read elsewhere). What the log thread has made durable (how
+far, how many lines, when) and the acknowledgement times are shared by the two, always
+under a lock.
 """
 
 from __future__ import annotations
@@ -26,14 +31,17 @@ import threading
 import time
 from collections import deque
 from dataclasses import asdict
+from typing import Any, Mapping, NamedTuple
 
 from .calllog import LogAppender, Position, log_dir, read_lines
 from .db import (LOADER_FILE, READY_SUFFIX, StoreBusy, init_db, loader_running, pending_requests,
                  readers_dir, writing)
 from .delta import DeltaCache
 from .lines import dumps, jsonable, loads, stored_row
-from .loader import (DB_ID_KEY, POSITION_KEY, ROW_GROUP_ROWS, TAIL, Loader, LoaderConfig,  # noqa: F401
-                     catch_up, claim_log, meta_value, owns_log, set_aside, stored_position, writer_lock)
+from .loader import (DB_ID_KEY, POSITION_KEY, ROW_GROUP_ROWS, TAIL, AckTimes, Loader,  # noqa: F401
+                     LoaderConfig, catch_up, claim_log, meta_value, owns_log, set_aside, stored_position,
+                     writer_lock)
+from .records import CallRecord, SessionInfo
 
 log = logging.getLogger("polar")
 
@@ -54,6 +62,15 @@ def name_os_thread(name: str) -> None:
         pass   # not Linux: the names are only a help
 
 
+class _Submitted(NamedTuple):
+    """A call on its way to the log thread."""
+    session: SessionInfo
+    record: CallRecord
+    fut: concurrent.futures.Future | _LoopFuture
+    queued: float            # perf_counter at submit: the wait for the log counts in queue_ms
+    t0: float | None         # the call's perf_counter start: total_ms runs from it
+
+
 class CallWriter:
     def __init__(self, db_path: str | os.PathLike, *, lock_timeout: float = 10.0,
                  load_interval: float = 60.0, poll: float = 0.03, loader: LoaderConfig | None = None):
@@ -65,18 +82,22 @@ class CallWriter:
         self.load_interval = load_interval
         self.poll = poll
         self.salt = ""
-        self.loader = Loader(db_path, loader)   # used by the loader thread only
-        self._queue: queue.Queue = queue.Queue()
+        self.loader = Loader(db_path, loader)   # the loader thread's (others only read its counters)
+        self._queue: queue.Queue[_Submitted | object] = queue.Queue()
+        # The log thread's own:
         self._seq: dict[str, int] = {}
         self._log: LogAppender | None = None
+        self._deltas = DeltaCache()       # recent calls per session
+        # Written by the log thread, read by the loader thread (and health): under _shared.
+        self._shared = threading.Lock()
         self._durable = Position()         # the log up to here is fsynced
         self._durable_lines = 0            # lines up to there since start (loaded: the loader's count)
-        self._appends: deque = deque()     # (end, monotonic time) of each append not yet loaded
+        self._appends: deque[tuple[Position, float]] = deque()  # (end, monotonic time) of appends not loaded
         self._last_append = time.monotonic()
-        self._deltas = DeltaCache()       # the log thread's recent calls per session
+        self._log_seg = 0                  # the segment the log thread appends to
+        self._ack_ms = AckTimes()          # call_id -> total_ms at its durable append (locks itself)
         self._lock_fd: int | None = None
         self.idle_release = 3.0           # seconds without calls before it lets go
-        self._ack_ms: dict[str, float] = {}   # call_id -> total_ms at its durable append
         self._stopping = threading.Event()
         self._wake = threading.Event()
         self._log_thread = threading.Thread(target=self._run_log, name="polar-log", daemon=True)
@@ -119,7 +140,7 @@ class CallWriter:
         with writing(self.db_path, timeout=max(self.lock_timeout, 30)) as con:
             db_id = meta_value(con, DB_ID_KEY)
             had_id = db_id is not None
-            if not had_id:   # a database older than log owners gets its id now
+            if db_id is None:   # a database older than log owners gets its id now
                 db_id = os.urandom(16).hex()
                 con.execute("INSERT INTO meta VALUES (?, ?)", [DB_ID_KEY, db_id])
             # A log left by another database of this name (deleted, then made anew) is not
@@ -142,11 +163,13 @@ class CallWriter:
             if nxt == pos:
                 break
             pos = nxt
-        self._durable = pos
         self.loader.position = position
-        if pos > position:
-            self._appends.append((pos, time.monotonic()))
         self._log = LogAppender(directory, after=position.seg)
+        with self._shared:
+            self._durable = pos
+            if pos > position:
+                self._appends.append((pos, time.monotonic()))
+            self._log_seg = self._log.seg
         marker = readers_dir(self.db_path) / LOADER_FILE
         marker.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         marker.write_text(str(os.getpid()))
@@ -155,27 +178,36 @@ class CallWriter:
         self._wake.set()
         return self
 
-    def submit_async(self, session: dict, record: dict) -> asyncio.Future:
+    def submit_async(self, session: SessionInfo | Mapping[str, Any], record: CallRecord | Mapping[str, Any],
+                     *, t0: float | None = None) -> asyncio.Future[int]:
         """submit(), for an event loop: the log thread settles all of a batch's futures of
         one loop with a single wake-up of that loop (one self-pipe write per fsync, not
         one per call)."""
         loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._queue.put((session, record, _LoopFuture(loop, fut), time.perf_counter()))
+        fut: asyncio.Future[int] = loop.create_future()
+        self._queue.put(_Submitted(SessionInfo.of(session), CallRecord.of(record), _LoopFuture(loop, fut),
+                                   time.perf_counter(), t0))
         return fut
 
-    def submit(self, session: dict, record: dict) -> concurrent.futures.Future:
-        """session: {session_id, task_id, source, client, user_agent}; record: call columns
-        (seq is assigned here; `_t0`, the call's perf_counter start, fills total_ms). The
-        future's result is the call's seq, once its record is durable."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((session, record, fut, time.perf_counter()))
+    def submit(self, session: SessionInfo | Mapping[str, Any], record: CallRecord | Mapping[str, Any],
+               *, t0: float | None = None) -> concurrent.futures.Future[int]:
+        """The future's result is the call's seq in its session (assigned here), once its
+        record is durable. t0: the call's time.perf_counter() start, from which total_ms
+        runs to the durable append. (Mappings are taken for SessionInfo and CallRecord.)"""
+        fut: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._queue.put(_Submitted(SessionInfo.of(session), CallRecord.of(record), fut, time.perf_counter(), t0))
         return fut
 
     @property
     def pending_lines(self) -> int:
         """Acknowledged calls not yet in the database."""
-        return self._durable_lines - self.loader.lines_loaded
+        with self._shared:
+            durable_lines = self._durable_lines
+        return durable_lines - self.loader.lines_loaded
+
+    def _durable_end(self) -> Position:
+        with self._shared:
+            return self._durable
 
     def close(self, timeout: float = 30.0) -> None:
         if self._log_thread.is_alive():
@@ -204,12 +236,12 @@ class CallWriter:
         stopping = False
         while not stopping:
             item = self._queue.get()
-            batch = []
+            batch: list[_Submitted] = []
             while True:
-                if item is _STOP:
-                    stopping = True
-                else:
+                if isinstance(item, _Submitted):
                     batch.append(item)
+                else:   # _STOP
+                    stopping = True
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
@@ -219,38 +251,39 @@ class CallWriter:
                     self._append(batch)
                 except BaseException as e:  # never let the thread die: fail this batch only
                     log.exception("polar: the call log failed")
-                    _resolve_all([(fut, None, e) for *_, fut, _ in batch])
+                    _resolve_all([(item.fut, None, e) for item in batch])
 
-    def _append(self, batch: list) -> None:
-        lines, done, failed = [], [], []
+    def _append(self, batch: list[_Submitted]) -> None:
+        lines: list[bytes] = []
+        done: list[tuple[_Submitted, int]] = []
+        failed: list[tuple[Any, Any, BaseException | None]] = []
         now, wall = time.perf_counter(), time.time()
-        for session, record, fut, queued in batch:
-            if fut.done():            # its waiter went away (cancelled): nothing to record
+        for item in batch:
+            if item.fut.done():       # its waiter went away (cancelled): nothing to record
                 continue
-            sid = session["session_id"]
+            sid = item.session.session_id
             seq = self._seq.get(sid, 0) + 1
-            rec = dict(record)
-            t0 = rec.pop("_t0", None)
-            if t0 is not None:        # until this batch's write; the fsync is added below
-                rec["total_ms"] = (now - t0) * 1000
-            rec["queue_ms"] = (rec.get("queue_ms") or 0.0) + (now - queued) * 1000
+            rec = item.record.columns()
+            if item.t0 is not None:   # until this batch's write; the fsync is added below
+                rec["total_ms"] = (now - item.t0) * 1000
+            rec["queue_ms"] = (rec["queue_ms"] or 0.0) + (now - item.queued) * 1000
             rec["seq"] = seq
             rec["created_at"] = wall     # recorded: when the call is acknowledged
             # Stored as a delta against an earlier call of its session, from here on: the
             # log line carries only what is new (a few KB where the request is 200 KB).
             row, full = stored_row(sid, jsonable(rec), self._deltas)
             try:
-                line = dumps(session, row)
+                line = dumps(item.session.columns(), row)
             except Exception as e:
-                failed.append((fut, None, e))
+                failed.append((item.fut, None, e))
                 continue
             self._seq[sid] = seq
             lines.append(line)
-            done.append((fut, seq, rec.get("call_id"), t0))
+            done.append((item, seq))
             # a later call of this batch may take this one as its base
-            self._deltas.add(sid, rec["call_id"], *full)
+            self._deltas.add(sid, item.record.call_id, *full)
         _resolve_all(failed)
-        if not lines:
+        if not lines or self._log is None:
             return
         data = b"".join(lines)
         try:
@@ -259,19 +292,23 @@ class CallWriter:
             # On failure (disk full) the batch's futures fail and the numbers it took leave a
             # gap; calls it named as bases are not in the log, so nothing may refer to them.
             self._deltas = DeltaCache(self._deltas.budget, self._deltas.per_session)
+            with self._shared:
+                self._log_seg = self._log.seg   # it went on in a fresh segment
             raise
-        self._durable = end                 # before _durable_lines: see _load_pending
-        self._durable_lines += len(lines)
-        self._last_append = time.monotonic()
-        self._appends.append((end, self._last_append))
-        self.batches += 1
         acked = time.perf_counter()
-        if len(self._ack_ms) > 100_000:   # stamps of lines the loader read before their fsync
-            self._ack_ms.clear()
-        for fut, seq, call_id, t0 in done:
-            if t0 is not None and call_id:   # what the harness waited for, fsync included
-                self._ack_ms[call_id] = (acked - t0) * 1000
-        _resolve_all([(fut, seq, None) for fut, seq, _, _ in done])
+        # What the harness waited for, fsync included: stamped before the lines are durable
+        # for the loader, so it never loads one without its stamp.
+        self._ack_ms.stamp([(item.record.call_id, (acked - item.t0) * 1000)
+                            for item, _ in done if item.t0 is not None and item.record.call_id])
+        appended = time.monotonic()
+        with self._shared:
+            self._durable = end
+            self._durable_lines += len(lines)
+            self._last_append = appended
+            self._appends.append((end, appended))
+            self._log_seg = self._log.seg
+        self.batches += 1
+        _resolve_all([(item.fut, seq, None) for item, seq in done])
 
     # ---- the loader thread ---------------------------------------------------------------
 
@@ -284,7 +321,7 @@ class CallWriter:
             if self._stopping.is_set():
                 self._final_load()
                 return
-            pending = self._durable > self.loader.position
+            pending = self._durable_end() > self.loader.position
             readers = pending_requests(self.db_path)
             if readers:
                 # Let the readers see every acknowledged call, tell them, then step aside.
@@ -312,18 +349,22 @@ class CallWriter:
                     backoff = 0.0 if ok else min(5.0, max(0.2, 2 * backoff))
                     retry_at = time.monotonic() + backoff
                     last_load = time.monotonic()
-            if self.loader.con is not None and now - max(self._last_append, last_load) >= self.idle_release:
+            with self._shared:
+                last_append = self._last_append
+            if self.loader.con is not None and now - max(last_append, last_load) >= self.idle_release:
                 self.loader.close()   # calls paused: other tools may open the file directly
 
     def _oldest_pending(self) -> float:
         """When the oldest line not yet in the database was appended (monotonic)."""
-        while self._appends and self._appends[0][0] <= self.loader.position:
-            self._appends.popleft()
-        return self._appends[0][1] if self._appends else time.monotonic()
+        loaded = self.loader.position
+        with self._shared:
+            while self._appends and self._appends[0][0] <= loaded:
+                self._appends.popleft()
+            return self._appends[0][1] if self._appends else time.monotonic()
 
     def _final_load(self) -> None:
         deadline = time.monotonic() + self.lock_timeout
-        while self._durable > self.loader.position and time.monotonic() < deadline:
+        while self._durable_end() > self.loader.position and time.monotonic() < deadline:
             if not self._load_pending(timeout=max(0.05, deadline - time.monotonic())):
                 time.sleep(0.05)
         self.loader.close()
@@ -332,9 +373,8 @@ class CallWriter:
         """Load what is durable up to now (not what keeps coming meanwhile, so a reader
         that asked is answered under any load); True when it all is in the database.
         whole_groups: only while the lines fill whole row groups."""
-        # _durable_lines is read before _durable: the log thread sets them the other way
-        # round, so the target holds at least that many lines.
-        lines_now, target = self._durable_lines, self._durable
+        with self._shared:
+            lines_now, target = self._durable_lines, self._durable
         loader = self.loader
         try:
             loader.open(timeout)
@@ -346,7 +386,9 @@ class CallWriter:
                     stuck = RuntimeError(f"the call log cannot be read past {loader.position.encode()}")
                     loader.failed(stuck)
                     raise stuck
-                loader.drop_loaded(keep_from=self._log.seg if self._log else loader.position.seg)
+                with self._shared:
+                    appending = self._log_seg
+                loader.drop_loaded(keep_from=appending)
             loader.succeeded()
             return True
         except StoreBusy:
@@ -362,15 +404,13 @@ class CallWriter:
         return False
 
 
-class _LoopFuture(tuple):
+class _LoopFuture(NamedTuple):
     """An asyncio future and its loop, as the log thread holds it."""
-    __slots__ = ()
-
-    def __new__(cls, loop, fut):
-        return super().__new__(cls, (loop, fut))
+    loop: asyncio.AbstractEventLoop
+    fut: asyncio.Future[int]
 
     def done(self) -> bool:
-        return self[1].done()
+        return self.fut.done()
 
 
 def _resolve_all(items: list) -> None:
@@ -379,7 +419,7 @@ def _resolve_all(items: list) -> None:
     by_loop: dict = {}
     for fut, result, exc in items:
         if isinstance(fut, _LoopFuture):
-            by_loop.setdefault(fut[0], []).append((fut[1], result, exc))
+            by_loop.setdefault(fut.loop, []).append((fut.fut, result, exc))
         else:
             _resolve(fut, result, exc)
     for loop, group in by_loop.items():

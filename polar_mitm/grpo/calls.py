@@ -1,40 +1,17 @@
-"""Recorded calls as the trainer sees them: plain token lists, grouped by GRPO group.
-No torch and no duckdb here; the store hands over plain dicts."""
+"""The trainer's view of the recorded calls (polar_mitm.trainer_input.Call): grouped by key,
+compared by token prefix, and where a later prompt re-renders an earlier call's tokens.
+Plain lists: no torch and no duckdb here."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Sequence
+
+from ..trainer_input import Call
 
 
-@dataclass(frozen=True, slots=True)
-class Call:
-    """One model call: vLLM sampled `tokens` (with `logprobs`) after exactly `prompt`."""
-    session_id: str
-    group: str                 # the GRPO group: the session's task, or the session itself
-    seq: int
-    prompt: Sequence[int]
-    tokens: Sequence[int]
-    logprobs: Sequence[float]
-    finish_reason: str | None = None
-    policy_version: str | None = None
-    reward: float | None = None
-
-
-def calls_from_records(records: Iterable[Mapping]) -> list[Call]:
-    """Store rows (polar_mitm.store.training.TrainingCall) -> calls, ordered by group,
-    session and seq so that every builder sees the same order."""
-    calls = [Call(session_id=r["session_id"], group=r.get("task_id") or r["session_id"],
-                  seq=int(r["seq"]), prompt=list(r["prompt_token_ids"]), tokens=list(r["token_ids"]),
-                  logprobs=list(r["logprobs"]), finish_reason=r.get("finish_reason"),
-                  policy_version=r.get("policy_version"), reward=r.get("reward"))
-             for r in records]
-    calls.sort(key=lambda c: (c.group, c.session_id, c.seq))
-    return calls
-
-
-def by_key(calls: Sequence[Call], key) -> dict[str, list[int]]:
+def by_key(calls: Sequence[Call], key: Callable[[Call], str]) -> dict[str, list[int]]:
     """Indices of calls per key (insertion ordered)."""
     out: dict[str, list[int]] = defaultdict(list)
     for i, c in enumerate(calls):

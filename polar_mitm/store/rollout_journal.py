@@ -1,7 +1,9 @@
-"""The rollout server's state in DuckDB: tasks, sessions, their state changes and rewards.
+"""The rollout server's journal in DuckDB: tasks, sessions, their state changes and rewards.
 
 The server mirrors its state here in batches (one short write connection per batch, so the
 proxy's loader hands the file over and takes it back); on a restart it reads it all back.
+Why a task's unfinished sessions were stopped (a cancel request, an early stop) is the detail
+of its "stopping" event, read back as the task's cancel_reason.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import orjson
 from .db import init_db, reading, writing
 
 
+STOPPING = "stopping"      # a task-level event: its unfinished sessions are being stopped (detail: why)
+
+
 class TaskRow(TypedDict):
     task_id: str
     spec: dict
@@ -21,6 +26,7 @@ class TaskRow(TypedDict):
     priority: int
     callback_state: str | None
     callback_tries: int
+    cancel_reason: str | None    # saved as its STOPPING event's detail (not a column)
 
 
 class SessionRow(TypedDict):
@@ -96,10 +102,12 @@ def load(path: str | os.PathLike, timeout: float = 60.0) -> tuple[list[TaskRow],
     """Every task and session, for a restarted server."""
     with reading(path, timeout) as con:
         tasks = [TaskRow(task_id=r[0], spec=orjson.loads(r[1]), state=r[2], priority=r[3],
-                         callback_state=r[4], callback_tries=r[5])
-                 for r in con.execute("SELECT task_id, spec, state, priority, callback_state, "
-                                      "callback_tries FROM rollout_tasks ORDER BY submitted_at, task_id")
-                 .fetchall()]
+                         callback_state=r[4], callback_tries=r[5], cancel_reason=r[6])
+                 for r in con.execute(
+                     "SELECT t.task_id, spec, t.state, priority, callback_state, callback_tries, e.detail "
+                     "FROM rollout_tasks t LEFT JOIN (SELECT task_id, arg_max(detail, event_at) AS detail "
+                     "FROM rollout_events WHERE session_id IS NULL AND state = ? GROUP BY task_id) e "
+                     "USING (task_id) ORDER BY submitted_at, t.task_id", [STOPPING]).fetchall()]
         sessions = [SessionRow(session_id=r[0], task_id=r[1], sample=r[2], attempt=r[3], state=r[4],
                                node_id=r[5], reward=r[6], reason=r[7],
                                stats=orjson.loads(r[8]) if r[8] else None)
@@ -119,8 +127,10 @@ class CallStats(TypedDict):
 def call_stats(path: str | os.PathLike, session_id: str, timeout: float = 60.0) -> CallStats:
     """What the proxy recorded for one session (read after its harness has exited)."""
     with reading(path, timeout) as con:
-        n, failed, p, c = con.execute(
+        row = con.execute(
             "SELECT count(*), count(error), coalesce(sum(prompt_tokens), 0), "
             "coalesce(sum(completion_tokens), 0) FROM call_records WHERE session_id = ?",
             [session_id]).fetchone()
+    assert row is not None   # an aggregate always has its row
+    n, failed, p, c = row
     return CallStats(calls=n, failed_calls=failed, prompt_tokens=int(p), completion_tokens=int(c))

@@ -32,6 +32,7 @@ import click
 
 from . import launch
 from .grpo.advantages import group_stats
+from .loop_options import LoopOptions
 from .rollout.client import ServerClient, ServerError
 from .rollout.rewards import reward_records
 from .rollout.protocol import Group
@@ -42,26 +43,6 @@ from .store import init_db
 from .store.loop import iterations as stored_iterations
 from .store.loop import IterationRow, TaskRewards, record_iteration, record_version
 from .store.training import set_rewards, training_calls
-
-
-@dataclass
-class LoopOptions:
-    tasks_file: str
-    iterations: int
-    out: Path
-    harness: str | None = None
-    samples: int | None = None
-    model: str | None = None              # the initial policy (default: the embedded SmolLM2)
-    backend: str | None = None            # a running vLLM (dev mode); default: start one
-    eval_tasks_file: str | None = None
-    workers: int = 4
-    max_tokens: int = 512
-    keep: int = 2                         # checkpoints kept (~517 MB each for the default model)
-    dtype: str = "float32"                # vLLM's: the trainer's, so every update reaches it
-    max_model_len: int = 8192
-    max_staleness: int = 0                # K: calls of versions >= v - K are trained (K >= 1: async)
-    server: str | None = None             # a running rollout server (its nodes, their vLLMs)
-    colocate: bool = False                # one GPU: vLLM sleeps while the trainer runs
 
 
 @dataclass

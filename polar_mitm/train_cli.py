@@ -5,17 +5,20 @@ Glue only: the store reads the DuckDB files (all SQL lives there), polar_mitm.gr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 import click
 
+from .loop_options import LoopOptions
 from .grpo.config import BUILDERS, NORMALIZATIONS, AdvantageConfig, LossConfig, TrainConfig
-from .trainer_input import Call
+from .trainer_input import REWARD_COVERS, Call
 from .store.training import SAMPLING_REASONS, TrainingData, set_rewards, task_reward_covers, training_calls
 
 _T, _L, _A = TrainConfig(), LossConfig(), AdvantageConfig()   # the defaults, in one place
+_LOOP = {f.name: f.default for f in dataclasses.fields(LoopOptions)}
 
 
 def _die(msg: str):
@@ -109,15 +112,19 @@ def train_config(*, scale_std, leave_one_out, clip_low, clip_high, tis_cap, kl_c
                        **options)
 
 
+reward_covers_option = click.option(
+    "--reward-covers", type=click.Choice(REWARD_COVERS), default=None,
+    help="Which calls a session's reward covers: all, or its main loop only (default: each task's "
+         "reward_covers, else all)")
+
+
 @main.command()
 @click.option("--db", "dbs", multiple=True, required=True, help="DuckDB file (repeat for one per gateway machine)")
 @click.option("--model", default="", help="Hugging Face model directory (default: the embedded SmolLM2)")
 @click.option("--out", required=True, help="Output directory: metrics.jsonl, metrics.png, checkpoint/")
 @click.option("--task", "tasks", multiple=True, help="Only these tasks (GRPO groups)")
 @click.option("--session", "sessions", multiple=True, help="Only these sessions")
-@click.option("--reward-covers", type=click.Choice(["all", "main"]), default=None,
-              help="Which calls a session's reward covers: all, or its main loop only (default: each "
-                   "task's reward_covers, else all)")
+@reward_covers_option
 @trainer_options
 def train(dbs, model, out, tasks, sessions, reward_covers, **options):
     """Run GRPO on the rewarded sessions and save a checkpoint vLLM serves."""
@@ -168,8 +175,7 @@ def train(dbs, model, out, tasks, sessions, reward_covers, **options):
 @click.option("--temperature", type=float, default=_T.temperature, show_default=True,
               help="The trainer's: calls vLLM sampled at another temperature are counted, not used")
 @click.option("--json", "as_json", is_flag=True)
-@click.option("--reward-covers", type=click.Choice(["all", "main"]), default=None,
-              help="Which calls a session's reward covers (default: each task's reward_covers)")
+@reward_covers_option
 def stats(dbs, model, tasks, sessions, temperature, as_json, reward_covers):
     """Compare the three builders on the recorded calls (and, with --model, logprob parity),
     after the calls each rule leaves out (the sampling rule's included)."""
@@ -227,11 +233,11 @@ def format_builders(rows: list[dict]) -> str:
               "(default: start one, kept across iterations)")
 @click.option("--eval-tasks", "eval_tasks_file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Held-out tasks: run every iteration with the current policy, never trained on")
-@click.option("--workers", default=4, show_default=True, help="RUN slots of the node")
-@click.option("--max-tokens", default=512, show_default=True, help="Cap on each call's output tokens")
-@click.option("--keep", default=2, show_default=True, help="Checkpoints kept")
-@click.option("--dtype", default="float32", show_default=True, help="vLLM's dtype (the trainer's by default)")
-@click.option("--max-staleness", default=0, show_default=True, type=click.IntRange(0),
+@click.option("--workers", default=_LOOP["workers"], show_default=True, help="RUN slots of the node")
+@click.option("--max-tokens", default=_LOOP["max_tokens"], show_default=True, help="Cap on each call's output tokens")
+@click.option("--keep", default=_LOOP["keep"], show_default=True, help="Checkpoints kept")
+@click.option("--dtype", default=_LOOP["dtype"], show_default=True, help="vLLM's dtype (the trainer's by default)")
+@click.option("--max-staleness", default=_LOOP["max_staleness"], show_default=True, type=click.IntRange(0),
               help="Policy versions a trained call may lag: 0 is synchronous; with K >= 1 the next "
                    "iteration's rollouts run while this one trains")
 @click.option("--server", default="", help="A running rollout server (polar-mitm rollout-server) whose nodes "
@@ -245,7 +251,7 @@ def loop(tasks_file, iterations, out, harness, samples, model, backend, eval_tas
          keep, dtype, max_staleness, server, colocate, **options):
     """The closed loop: rollouts through a real harness, GRPO, the new weights synced into the
     running vLLM, the next rollouts."""
-    from .loop import LoopOptions, run_loop
+    from .loop import run_loop
     opts = LoopOptions(tasks_file=tasks_file, iterations=iterations, out=Path(out), harness=harness,
                        samples=samples, model=model or None, backend=backend or None,
                        eval_tasks_file=eval_tasks_file, workers=workers, max_tokens=max_tokens, keep=keep,

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 UNKNOWN_VERSION = -1   # a call recorded without a policy version (before the gateway had one)
+# Which calls a session's reward covers: all of them, or its main loop's (the model it called
+# most), a task's reward_covers (rollout/spec.py) that the store applies (store/training.py).
+REWARD_COVERS = ("all", "main")
 
 
 @dataclass(frozen=True, slots=True)

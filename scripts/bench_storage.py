@@ -28,7 +28,7 @@ import workload  # noqa: E402
 
 from polar_mitm import adapters  # noqa: E402
 from polar_mitm.adapters import backend  # noqa: E402
-from polar_mitm.store import CallWriter, query  # noqa: E402
+from polar_mitm.store import CallRecord, CallWriter, SessionInfo, query  # noqa: E402
 from polar_mitm.store.schema import MIGRATIONS  # noqa: E402
 
 OLD_JSON = ("request_json", "normalized_json", "backend_request_json", "response_json", "usage_json")
@@ -104,7 +104,7 @@ def main() -> None:
         row = old | {"session_id": sid, "seq": seqs[sid]}
         batch.append([orjson.dumps(row[c]).decode() if c in OLD_JSON else row[c] for c in OLD_COLUMNS])
         logical += sum(len(v) for v in batch[-1] if isinstance(v, str)) + 4 * len(old["prompt_token_ids"])
-        futures.append(writer.submit({"session_id": sid, "task_id": sid.split("~")[0]}, new))
+        futures.append(writer.submit(SessionInfo(sid, task_id=sid.split("~")[0]), CallRecord(**new)))
         n += 1
         if len(batch) >= args.clients:     # the old writer's group commit
             con.execute("BEGIN")

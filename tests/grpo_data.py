@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from polar_mitm.grpo.synthetic import Shape, group
-from polar_mitm.store import CallWriter
+from polar_mitm.store import CallRecord, CallWriter, SessionInfo
 
 VOCAB = 64
 
@@ -20,17 +20,18 @@ def synthetic_calls(tasks=2, seed=0, prefix="t", **shape):
 
 def write_calls(db: Path, calls, extra_records=()) -> None:
     """Each call as the proxy records it (seq follows the order given); extra_records are
-    (session, record) pairs written as well."""
+    (session, record) pairs of plain dicts (SessionInfo's and CallRecord's fields), written as well."""
     w = CallWriter(db).start()
     futures = []
     for i, c in enumerate(calls):
         futures.append(w.submit(
-            {"session_id": c.session_id, "task_id": c.group, "source": "api_key"},
-            {"call_id": f"c{i}", "style": "openai_chat", "status_code": 200, "started_at": time.time(),
-             "prompt_token_ids": list(c.prompt), "token_ids": list(c.tokens), "logprobs": list(c.logprobs),
-             "finish_reason": c.finish_reason}))
+            SessionInfo(c.session_id, task_id=c.group, source="api_key"),
+            CallRecord(f"c{i}", style="openai_chat", status_code=200, started_at=time.time(),
+                       prompt_token_ids=list(c.prompt), token_ids=list(c.tokens), logprobs=list(c.logprobs),
+                       finish_reason=c.finish_reason)))
     for j, (session, record) in enumerate(extra_records):
-        futures.append(w.submit(session, {"call_id": f"x{j}", "started_at": time.time()} | record))
+        futures.append(w.submit(SessionInfo(**session),
+                                CallRecord(**({"call_id": f"x{j}", "started_at": time.time()} | record))))
     for f in futures:
         f.result(30)
     w.close()

@@ -86,17 +86,17 @@ def test_log_lines_of_the_older_format_are_loaded_whole(tmp_path):
 def test_async_submits_settle_together_and_a_cancelled_waiter_harms_nothing(tmp_path):
     import asyncio
 
-    from polar_mitm.store import CallWriter
+    from polar_mitm.store import CallRecord, CallWriter, SessionInfo
 
     async def main():
         w = CallWriter(tmp_path / "a.duckdb").start()
         try:
-            futs = [w.submit_async({"session_id": "s~1"}, {"call_id": f"c{i}", "request_text": "x",
-                                                           "status_code": 200, "started_at": 1.7e9})
+            futs = [w.submit_async(SessionInfo("s~1"), CallRecord(f"c{i}", request_text="x", status_code=200,
+                                                                      started_at=1.7e9))
                     for i in range(50)]
             futs[3].cancel()                       # its caller went away
             done = await asyncio.gather(*futs[4:])
-            later = await w.submit_async({"session_id": "s~1"}, {"call_id": "last", "status_code": 200})
+            later = await w.submit_async(SessionInfo("s~1"), CallRecord("last", status_code=200))
             return done, later
         finally:
             w.close()

@@ -108,10 +108,10 @@ def test_options_lists_the_addon_options():
 
 
 def test_export_and_json_output(tmp_path):
-    from polar_mitm.store import CallWriter
+    from polar_mitm.store import CallRecord, CallWriter, SessionInfo
     db = tmp_path / "r.duckdb"
     w = CallWriter(db).start()
-    w.submit({"session_id": "s"}, {"call_id": "c", "token_ids": [1, 2]}).result(10)
+    w.submit(SessionInfo("s"), CallRecord("c", token_ids=[1, 2])).result(10)
     w.close()
     rows = subprocess.run(CLI + ["sql", "--db", str(db), "--format", "json", "SELECT call_id, token_ids FROM calls"],
                           capture_output=True, text=True, check=True).stdout.splitlines()

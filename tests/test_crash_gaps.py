@@ -23,9 +23,9 @@ def writer_process(db: Path, body: str, *args: str) -> subprocess.Popen:
     code = textwrap.dedent("""
         import sys, time
         sys.path.insert(0, {root!r})
-        from polar_mitm.store import CallWriter
+        from polar_mitm.store import CallRecord, CallWriter, SessionInfo
         def rec(i):
-            return {{"call_id": str(i), "request_text": "x", "started_at": time.time(), "status_code": 200}}
+            return CallRecord(str(i), request_text="x", started_at=time.time(), status_code=200)
         w = CallWriter({db!r}, load_interval=float(sys.argv[1])).start()
     """).format(root=ROOT, db=str(db)) + textwrap.dedent(body)
     return subprocess.Popen([sys.executable, "-c", code, *args], stdin=subprocess.PIPE,
@@ -41,7 +41,7 @@ def test_a_read_begun_while_the_proxy_lived_sees_what_it_acknowledged(tmp_path):
     db = tmp_path / "a.duckdb"
     p = writer_process(db, """
         for i in range(5):
-            w.submit({"session_id": "s"}, rec(i)).result(10)
+            w.submit(SessionInfo("s"), rec(i)).result(10)
         print("acked", flush=True)
         time.sleep(60)
     """, "3600")   # it loads only when a reader asks
@@ -63,7 +63,7 @@ def test_a_failed_append_does_not_swallow_the_next_acknowledged_call(tmp_path):
     db = tmp_path / "a.duckdb"
     p = writer_process(db, """
         import errno
-        w.submit({"session_id": "s"}, rec(0)).result(10)
+        w.submit(SessionInfo("s"), rec(0)).result(10)
         real = w._log._f
 
         class DiskFull:                        # half the batch is written, then ENOSPC
@@ -80,13 +80,13 @@ def test_a_failed_append_does_not_swallow_the_next_acknowledged_call(tmp_path):
 
         w._log._f = DiskFull()
         try:
-            w.submit({"session_id": "s"}, rec(1)).result(10)
+            w.submit(SessionInfo("s"), rec(1)).result(10)
             print("c1 acknowledged", flush=True)
         except OSError:
             print("c1 failed", flush=True)
         if isinstance(w._log._f, DiskFull):    # space freed (a log that moved on keeps its file)
             w._log._f = real
-        w.submit({"session_id": "s"}, rec(2)).result(10)
+        w.submit(SessionInfo("s"), rec(2)).result(10)
         print("c2 acknowledged", flush=True)
         time.sleep(60)
     """, "3600")
@@ -104,7 +104,7 @@ def test_a_second_writer_on_one_database_loses_nothing(tmp_path):
     body = """
         print("started", flush=True)
         for line in sys.stdin:
-            w.submit({"session_id": sys.argv[2]}, rec(line.strip())).result(10)
+            w.submit(SessionInfo(sys.argv[2]), rec(line.strip())).result(10)
             print("acked", flush=True)
     """
     acked = []

@@ -7,7 +7,7 @@ import time
 import duckdb
 import orjson
 
-from polar_mitm.store import CallWriter, query
+from polar_mitm.store import CallRecord, CallWriter, SessionInfo, query
 from polar_mitm.store.db import migrate
 from delta_oracles import apply_text, common_suffix, text_delta
 from polar_mitm.store.delta import DeltaCache, apply_ids, common_prefix
@@ -88,11 +88,11 @@ def test_the_calls_view_and_the_trainer_rebuild_every_call_exactly(tmp_path):
         for i, (text, prompt, tokens) in enumerate(_session_calls(seed=s)):
             cid = f"s{s}-{i}"
             failed = i == 4
-            w.submit({"session_id": f"t~{s}", "task_id": "t"}, {
-                "call_id": cid, "request_text": text, "status_code": 502 if failed else 200,
-                "prompt_token_ids": None if failed else prompt, "token_ids": None if failed else tokens,
-                "logprobs": None if failed else [-0.1] * len(tokens), "error": "x" if failed else None,
-                "started_at": time.time()}).result(10)
+            w.submit(SessionInfo(f"t~{s}", task_id="t"), CallRecord(
+                call_id=cid, request_text=text, status_code=502 if failed else 200,
+                prompt_token_ids=None if failed else prompt, token_ids=None if failed else tokens,
+                logprobs=None if failed else [-0.1] * len(tokens), error="x" if failed else None,
+                started_at=time.time())).result(10)
             expected[cid] = (text, None if failed else prompt, None if failed else tokens)
             if i % 5 == 2:
                 time.sleep(0.05)   # several loads, so bases come from earlier transactions too

@@ -9,6 +9,7 @@ memory; and kill -9 of the process between COMMIT and the next step."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from polar_mitm.store import CallWriter, init_db, log_dir, query
+from polar_mitm.store import CallRecord, CallWriter, SessionInfo, init_db, log_dir, query
 from polar_mitm.store import loader as loader_module
 from polar_mitm.store.calllog import LogAppender
 from polar_mitm.store.lines import dumps
@@ -30,10 +31,10 @@ from polar_mitm.store.loader import Loader, LoaderConfig, PositionMoved, catch_u
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def record(i: int) -> dict:
-    return {"call_id": f"c{i}", "style": "openai_chat", "prompt_token_ids": [1, 2, 3],
-            "token_ids": [4, 5], "logprobs": [-0.5, -0.25], "request_text": f'{{"i":{i}}}',
-            "started_at": time.time(), "status_code": 200}
+def record(i: int) -> CallRecord:
+    return CallRecord(f"c{i}", style="openai_chat", prompt_token_ids=[1, 2, 3], token_ids=[4, 5],
+                      logprobs=[-0.5, -0.25], request_text=f'{{"i":{i}}}', started_at=time.time(),
+                      status_code=200)
 
 
 class Faults:
@@ -138,7 +139,7 @@ def test_every_fault_of_a_load_leaves_every_acknowledged_call_stored_exactly_onc
         for wave in range(24):   # waves of calls: tail loads between them, whole row groups
             n = 2048 + 300 if wave in (5, 15) else 120
             base = len(acked)
-            futs = [w.submit({"session_id": f"s~{(base + i) % 37}", "task_id": "s"}, record(base + i))
+            futs = [w.submit(SessionInfo(f"s~{(base + i) % 37}", task_id="s"), record(base + i))
                     for i in range(n)]
             for i, f in enumerate(futs):
                 f.result(30)
@@ -167,7 +168,7 @@ def test_a_loader_that_keeps_failing_says_so_and_recovers_when_the_database_does
     w = CallWriter(db, load_interval=0.01).start()
     w.idle_release = 3600
     try:
-        futs = [w.submit({"session_id": "s~1"}, record(i)) for i in range(50)]
+        futs = [w.submit(SessionInfo("s~1"), record(i)) for i in range(50)]
         assert [f.result(10) for f in futs] == list(range(1, 51))   # acknowledged all the same
         deadline = time.monotonic() + 20
         while w.health()["state"] != "failing" and time.monotonic() < deadline:
@@ -177,7 +178,7 @@ def test_a_loader_that_keeps_failing_says_so_and_recovers_when_the_database_does
         assert "injected: before_insert" in health["last_error"]
         assert w.pending_lines == 50
         # still acknowledging while failing
-        assert w.submit({"session_id": "s~1"}, record(50)).result(10) == 51
+        assert w.submit(SessionInfo("s~1"), record(50)).result(10) == 51
         faults.enabled = False   # the database is usable again
         deadline = time.monotonic() + 20
         while (w.pending_lines or w.health()["state"] != "ok") and time.monotonic() < deadline:
@@ -194,7 +195,7 @@ def test_a_load_that_starts_anywhere_but_the_stored_position_stores_nothing(tmp_
     db = tmp_path / "a.duckdb"
     w = CallWriter(db).start()
     for i in range(10):
-        w.submit({"session_id": "s~1"}, record(i)).result(10)
+        w.submit(SessionInfo("s~1"), record(i)).result(10)
     w.close()
     log = LogAppender(log_dir(db))
     log.append(b"".join(dumps({"session_id": "s~2"}, {"call_id": f"x{i}", "seq": i + 1}) for i in range(3)))
@@ -217,7 +218,7 @@ KILLED_WRITER = """
 import sys, time
 sys.path.insert(0, {tests!r})
 from test_loader_faults import Faults, faulty_connect, record
-from polar_mitm.store import CallWriter
+from polar_mitm.store import CallWriter, SessionInfo
 from polar_mitm.store import loader as loader_module
 point, start, n = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 faults = Faults([None] * int(sys.argv[5]) + [point])
@@ -225,7 +226,7 @@ loader_module.connect = faulty_connect(faults)
 w = CallWriter(sys.argv[1], load_interval=0.01).start()
 w.idle_release = 3600
 for i in range(start, start + n):   # calls until the fault in its loader kills it
-    w.submit({{"session_id": f"s~{{i % 5}}"}}, record(i)).result(10)
+    w.submit(SessionInfo(f"s~{{i % 5}}"), record(i)).result(10)
     print(f"c{{i}}", flush=True)
     time.sleep(0.002)
 """
@@ -266,7 +267,7 @@ def test_a_new_database_never_adopts_a_log_it_does_not_own(tmp_path):
     assert query(db, "SELECT count(*) FROM call_records")[1] == [(0,)]
     w = CallWriter(db).start()
     try:
-        assert w.submit({"session_id": "new~1"}, record(0)).result(10) == 1
+        assert w.submit(SessionInfo("new~1"), record(0)).result(10) == 1
     finally:
         w.close()
     assert query(db, "SELECT call_id FROM call_records")[1] == [("c0",)]
@@ -286,7 +287,7 @@ def test_a_log_older_than_log_owners_is_still_loaded_into_its_database(tmp_path)
     log.append(dumps({"session_id": "s~1"}, {"call_id": "legacy", "seq": 1}))
     log.close()
     w = CallWriter(db).start()
-    w.submit({"session_id": "s~1"}, record(0)).result(10)
+    w.submit(SessionInfo("s~1"), record(0)).result(10)
     w.close()
     assert sorted(query(db, "SELECT call_id, seq FROM call_records")[1]) == [("c0", 2), ("legacy", 1)]
 
@@ -301,7 +302,7 @@ def test_loads_are_sized_by_bytes_with_memory_for_every_line(tmp_path):
     w.idle_release = 3600
     try:
         big = "y" * 3000   # 2048 lines of ~3 KB: ~6.5 MB, inside group_bytes
-        futs = [w.submit({"session_id": f"s~{i}"}, record(i) | {"request_text": big + str(i)})
+        futs = [w.submit(SessionInfo(f"s~{i}"), replace(record(i), request_text=big + str(i)))
                 for i in range(2048 + 5)]
         [f.result(30) for f in futs]
         deadline = time.monotonic() + 30

@@ -10,18 +10,18 @@ from click.testing import CliRunner
 
 from polar_mitm.rollout import RolloutServer
 from polar_mitm.rollout.spec import parse_task
-from polar_mitm.store import CallWriter
+from polar_mitm.store import CallRecord, CallWriter, SessionInfo
 from polar_mitm.store.training import set_rewards, training_calls
 from polar_mitm.train_cli import main as polar_train
 
 
 def record(db, session: str, model: str, n: int, start: int) -> list:
     w = CallWriter(db).start()
-    futures = [w.submit({"session_id": session, "task_id": session.split("~")[0], "source": "api_key"},
-                        {"call_id": f"{session}-{start + i}", "style": "openai_chat", "status_code": 200,
-                         "requested_model": model, "started_at": time.time(),
-                         "prompt_token_ids": [1, 5, 6, start + i], "token_ids": [7, 8], "logprobs": [-0.5, -0.1],
-                         "finish_reason": "stop"}) for i in range(n)]
+    futures = [w.submit(SessionInfo(session, task_id=session.split("~")[0], source="api_key"),
+                        CallRecord(call_id=f"{session}-{start + i}", style="openai_chat", status_code=200,
+                                   requested_model=model, started_at=time.time(),
+                                   prompt_token_ids=[1, 5, 6, start + i], token_ids=[7, 8], logprobs=[-0.5, -0.1],
+                                   finish_reason="stop")) for i in range(n)]
     for f in futures:
         f.result(30)
     w.close()

@@ -10,32 +10,32 @@ def attr(headers=None, query="", user=None, scheme="auto"):
 
 def test_proxy_user_names_the_session():
     s = attr({"x-api-key": "sk-ant-real"}, user="fix-bug-12~3")
-    assert (s["session_id"], s["task_id"], s["source"]) == ("fix-bug-12~3", "fix-bug-12", "proxy_user")
+    assert (s.session_id, s.task_id, s.source) == ("fix-bug-12~3", "fix-bug-12", "proxy_user")
 
 
 def test_marked_key_is_the_session_and_real_keys_are_hashed():
-    assert attr({"x-api-key": "polar-t~1"})["session_id"] == "t~1"
-    assert attr({"authorization": "Bearer polar-t~2"})["session_id"] == "t~2"
-    assert attr({"x-goog-api-key": "polar-t~3"})["session_id"] == "t~3"
-    assert attr(query="alt=sse&key=polar-t~4")["session_id"] == "t~4"
+    assert attr({"x-api-key": "polar-t~1"}).session_id == "t~1"
+    assert attr({"authorization": "Bearer polar-t~2"}).session_id == "t~2"
+    assert attr({"x-goog-api-key": "polar-t~3"}).session_id == "t~3"
+    assert attr(query="alt=sse&key=polar-t~4").session_id == "t~4"
     hashed = attr({"x-api-key": "sk-ant-real-secret"})
-    assert hashed["source"] == "key_hash" and hashed["session_id"].startswith("key-")
-    assert "secret" not in hashed["session_id"]
+    assert hashed.source == "key_hash" and hashed.session_id.startswith("key-")
+    assert "secret" not in hashed.session_id
     assert hashed == attr({"x-api-key": "sk-ant-real-secret"})  # stable for one salt
     other_salt = sessions.attribute(headers={"x-api-key": "sk-ant-real-secret"}, query="",
                                     proxy_auth_user=None, client_host="h", salt="s2")
-    assert other_salt["session_id"] != hashed["session_id"]
+    assert other_salt.session_id != hashed.session_id
 
 
 def test_default_session_per_client():
     s = attr({"user-agent": "claude-cli/2.1.197 (external, sdk-cli)"})
-    assert (s["session_id"], s["source"], s["task_id"]) == ("default-127.0.0.1-claude-cli", "default", None)
+    assert (s.session_id, s.source, s.task_id) == ("default-127.0.0.1-claude-cli", "default", None)
 
 
 def test_schemes():
-    assert attr({"x-api-key": "polar-k"}, user="u", scheme="api-key")["session_id"] == "k"
-    assert attr({"x-api-key": "polar-k"}, scheme="proxy-user")["source"] == "default"
-    assert attr({"x-api-key": "polar-k"}, user="u", scheme="client")["source"] == "default"
+    assert attr({"x-api-key": "polar-k"}, user="u", scheme="api-key").session_id == "k"
+    assert attr({"x-api-key": "polar-k"}, scheme="proxy-user").source == "default"
+    assert attr({"x-api-key": "polar-k"}, user="u", scheme="client").source == "default"
 
 
 def test_proxy_authorization_parsing_ignores_the_password():

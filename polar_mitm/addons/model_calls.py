@@ -413,7 +413,7 @@ class ModelCalls:
         body["max_tokens"] = max(1, min(wanted, limit - count))
 
     def _session(self, flow: http.HTTPFlow, query: str) -> SessionInfo:
-        return SessionInfo.of(sessions.attribute(
+        return sessions.attribute(
             headers=header_dict(flow.request), query=query, proxy_auth_user=self.users.user(flow),
             client_host=flow.client_conn.peername[0] if flow.client_conn.peername else "unknown",
-            salt=self.recorder.salt(), scheme=ctx.options.polar_session_key))
+            salt=self.recorder.salt(), scheme=ctx.options.polar_session_key)

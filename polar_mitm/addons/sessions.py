@@ -15,6 +15,7 @@ import re
 from typing import Mapping
 
 from polar_mitm.session_ids import task_of      # the session-id rule's one place
+from polar_mitm.store.records import SessionInfo
 
 SESSION_KEY_PREFIX = "polar-"
 SCHEMES = ("auto", "proxy-user", "api-key", "client")
@@ -67,8 +68,8 @@ def user_agent_product(user_agent: str) -> str:
 
 
 def attribute(*, headers: Mapping[str, str], query: str, proxy_auth_user: str | None,
-              client_host: str, salt: str, scheme: str = "auto") -> dict:
-    """The session record for a call: {session_id, task_id, source, client, user_agent}."""
+              client_host: str, salt: str, scheme: str = "auto") -> SessionInfo:
+    """The session a call belongs to."""
     ua = {k.lower(): v for k, v in headers.items()}.get("user-agent", "")
     session_id = source = None
     if scheme in ("auto", "proxy-user") and proxy_auth_user:
@@ -79,8 +80,8 @@ def attribute(*, headers: Mapping[str, str], query: str, proxy_auth_user: str | 
             session_id, source = key_session(key, salt)
     if session_id is None:
         session_id, source = f"default-{client_host}-{user_agent_product(ua)}", "default"
-    return {"session_id": session_id, "task_id": task_of(session_id), "source": source,
-            "client": client_host, "user_agent": ua[:300]}
+    return SessionInfo(session_id, task_id=task_of(session_id), source=source, client=client_host,
+                       user_agent=ua[:300])
 
 
 def redact_query(path: str) -> str:

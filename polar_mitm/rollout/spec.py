@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import session_ids
+from ..trainer_input import REWARD_COVERS
 from .harnesses import DEFAULT as DEFAULT_HARNESS
 from .harnesses import HARNESSES as _REGISTRY
 
 HARNESSES = tuple(_REGISTRY)
 ON_FAILURE = ("zero", "drop")
-REWARD_COVERS = ("all", "main")
 
 
 class TaskError(ValueError):

@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import asdict
-from typing import Any, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 from .calllog import LogAppender, Position, log_dir, read_lines
 from .db import (LOADER_FILE, READY_SUFFIX, StoreBusy, init_db, loader_running, pending_requests,
@@ -178,24 +178,23 @@ class CallWriter:
         self._wake.set()
         return self
 
-    def submit_async(self, session: SessionInfo | Mapping[str, Any], record: CallRecord | Mapping[str, Any],
-                     *, t0: float | None = None) -> asyncio.Future[int]:
+    def submit_async(self, session: SessionInfo, record: CallRecord, *,
+                     t0: float | None = None) -> asyncio.Future[int]:
         """submit(), for an event loop: the log thread settles all of a batch's futures of
         one loop with a single wake-up of that loop (one self-pipe write per fsync, not
         one per call)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[int] = loop.create_future()
-        self._queue.put(_Submitted(SessionInfo.of(session), CallRecord.of(record), _LoopFuture(loop, fut),
-                                   time.perf_counter(), t0))
+        self._queue.put(_Submitted(session, record, _LoopFuture(loop, fut), time.perf_counter(), t0))
         return fut
 
-    def submit(self, session: SessionInfo | Mapping[str, Any], record: CallRecord | Mapping[str, Any],
-               *, t0: float | None = None) -> concurrent.futures.Future[int]:
+    def submit(self, session: SessionInfo, record: CallRecord, *,
+               t0: float | None = None) -> concurrent.futures.Future[int]:
         """The future's result is the call's seq in its session (assigned here), once its
         record is durable. t0: the call's time.perf_counter() start, from which total_ms
-        runs to the durable append. (Mappings are taken for SessionInfo and CallRecord.)"""
+        runs to the durable append."""
         fut: concurrent.futures.Future[int] = concurrent.futures.Future()
-        self._queue.put(_Submitted(SessionInfo.of(session), CallRecord.of(record), fut, time.perf_counter(), t0))
+        self._queue.put(_Submitted(session, record, fut, time.perf_counter(), t0))
         return fut
 
     @property

@@ -1,0 +1,27 @@
+"""What `polar-train loop` is asked to do: its options and their defaults, in one place (the
+command line reads its defaults from here, without importing the loop itself)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class LoopOptions:
+    tasks_file: str
+    iterations: int
+    out: Path
+    harness: str | None = None
+    samples: int | None = None
+    model: str | None = None              # the initial policy (default: the embedded SmolLM2)
+    backend: str | None = None            # a running vLLM (dev mode); default: start one
+    eval_tasks_file: str | None = None
+    workers: int = 4
+    max_tokens: int = 512
+    keep: int = 2                         # checkpoints kept (~517 MB each for the default model)
+    dtype: str = "float32"                # vLLM's: the trainer's, so every update reaches it
+    max_model_len: int = 8192
+    max_staleness: int = 0                # K: calls of versions >= v - K are trained (K >= 1: async)
+    server: str | None = None             # a running rollout server (its nodes, their vLLMs)
+    colocate: bool = False                # one GPU: vLLM sleeps while the trainer runs

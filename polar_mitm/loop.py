@@ -35,7 +35,7 @@ from .grpo.advantages import group_stats
 from .loop_options import LoopOptions
 from .rollout.client import ServerClient, ServerError
 from .rollout.rewards import reward_records
-from .rollout.protocol import Group
+from .rollout.protocol import Group, RewardRecord
 from .rollout.spec import TaskRequest
 from .rollout.states import TASK_SETTLED, TERMINAL
 from .session_ids import TASK_ID_MAX, run_task_id, task_of_run
@@ -273,7 +273,7 @@ def _store_rewards(db: str | None, client: ServerClient, submitted: list[Submitt
     once settled, but may have been killed in between. A session that failed scores 0 under
     on_failure "zero". Returns the databases that hold this iteration's calls."""
     nodes = client.policy_status()["nodes"] if db is None else {}
-    per_db: dict[str, list[dict]] = {}
+    per_db: dict[str, list[RewardRecord]] = {}
     for t in submitted:
         g = groups[t.task_id]
         ran_on = {s["session_id"]: s.get("node_id") for s in g["sessions"]}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from typing import Any
 from pathlib import Path
 
 import click
@@ -186,7 +187,7 @@ def stats(dbs, model, tasks, sessions, temperature, as_json, reward_covers):
     if not calls:
         _die(f"no trainable calls in {', '.join(map(str, dbs))}; {_skipped_line(data)}")
     rows = [build(calls, b).stats.as_dict() for b in reversed(BUILDERS)]
-    report = {"skipped": dict(data.skipped), "builders": rows, "call_kinds": dict(data.call_kinds),
+    report: dict[str, Any] = {"skipped": dict(data.skipped), "builders": rows, "call_kinds": dict(data.call_kinds),
               "sampling": {"temperature": temperature,
                            "excluded": {r: data.skipped.get(r, 0) for r in SAMPLING_REASONS}}}
     if model:

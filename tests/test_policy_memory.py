@@ -34,10 +34,14 @@ def long_prompt_calls(prompt_len: int):
 
 @pytest.fixture
 def one_thread():
-    """A thousand tiny rows: on a loaded machine, thread hand-offs would dominate."""
-    n = torch.get_num_threads()
+    """A thousand tiny rows: on a loaded machine, thread hand-offs would dominate. Python's
+    default recursion limit (pytest-xdist's workers raise it), so that a step that recursed
+    once per row would fail here."""
+    n, limit = torch.get_num_threads(), sys.getrecursionlimit()
     torch.set_num_threads(1)
+    sys.setrecursionlimit(1000)
     yield
+    sys.setrecursionlimit(limit)
     torch.set_num_threads(n)
 
 

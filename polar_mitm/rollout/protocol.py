@@ -123,6 +123,13 @@ class Group(TypedDict):
     attempts: list[SessionResult]
 
 
+class RewardRecord(TypedDict):
+    """A session's reward as stored (store.training.set_rewards, a rewards file's line)."""
+    session_id: str
+    reward: float
+    info: dict[str, Any]
+
+
 @with_config(_ANSWER)
 class TaskStatus(TypedDict):
     task_id: str

@@ -4,16 +4,16 @@ same rewards once the server settles them, but a node killed in between has not.
 
 from __future__ import annotations
 
-from .protocol import Group
+from .protocol import Group, RewardRecord
 from .states import Session
 
 FAILED = (Session.FAILED, Session.TIMED_OUT)     # outcomes without a reward of their own
 
 
-def reward_records(group: Group, on_failure: str = "zero") -> list[dict]:
+def reward_records(group: Group, on_failure: str = "zero") -> list[RewardRecord]:
     """One record per final session with a reward; a failed one scores 0 under on_failure
     "zero" (its group keeps its size) and is left out under "drop"."""
-    out = []
+    out: list[RewardRecord] = []
     for s in group["sessions"]:
         if s["reward"] is not None:
             out.append({"session_id": s["session_id"], "reward": s["reward"],

@@ -9,4 +9,4 @@ bash scripts/install.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 .venv/bin/ruff check polar_mitm tests scripts polar_addon.py
 .venv/bin/python -m mypy   # the typed contracts between packages ([tool.mypy] in pyproject.toml)
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${POLAR_TEST_WORKERS:-3}" --dist loadgroup "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${POLAR_TEST_WORKERS:-3}" "$@"

@@ -6,12 +6,16 @@ run's owner (pytest's own process, or pytest-xdist's controller) starts it in th
 as soon as the collection shows a test that needs it (tests/shared_vllm.py), so its warm-up
 (minutes on CPU) overlaps the tests that do not need it. Nothing starts it ahead of the run.
 
-In parallel (scripts/test.sh runs `-n`, `--dist loadgroup`, forced here for any `-n` run),
-every test that needs vLLM is in one xdist group: they run one after another in one worker,
-as they would alone (two of them reload the server's weights and put the base ones back).
+In parallel (scripts/test.sh runs `-n`), every test that needs vLLM is one unit of work
+(VLLMGroupScheduling): they run one after another in one worker, as they would alone (two of
+them reload the server's weights and put the base ones back). Each worker writes the ids of
+its vLLM tests into the run's folder ($POLAR_TEST_RUN) as it collects; the controller reads
+them to group the tests and to start the server. (xdist's own loadgroup renames node ids,
+which pytest 9.2 no longer allows: its groups silently fall apart.)
 Each worker picks ports from its own slice (launch.free_ports, $POLAR_PORT_SLICE), so two
 workers never hand the same free port to their services."""
 
+import json
 import os
 import shutil
 import tempfile
@@ -30,6 +34,7 @@ from provider_server import ProviderServer
 os.environ.setdefault("POLAR_SANDBOX_EXPOSE", str(Path(__file__).parent))
 
 VLLM_GROUP = "vllm"
+RUN_ENV = "POLAR_TEST_RUN"     # the run's folder: the workers' lists of vLLM tests
 _SHARED: shared_vllm.SharedVLLM | None = None     # the run owner's server, once started
 
 
@@ -52,7 +57,7 @@ def pytest_configure(config):
         os.environ["POLAR_PORT_SLICE"] = f"{int(wid.removeprefix('gw'))}/{count + 1}"
         return
     if _distributed(config):
-        config.option.dist = "loadgroup"     # the vLLM tests stay together (see above)
+        os.environ[RUN_ENV] = tempfile.mkdtemp(prefix="polar-test-run-")   # the workers inherit it
         os.environ["POLAR_PORT_SLICE"] = f"{len(config.option.tx)}/{len(config.option.tx) + 1}"
     if not os.environ.get("POLAR_TEST_BACKEND") and not config.option.collectonly:
         state = Path(tempfile.mkdtemp(prefix="polar-test-vllm-")) / "state.json"
@@ -60,12 +65,16 @@ def pytest_configure(config):
         _SHARED = shared_vllm.SharedVLLM(state)
 
 
-@pytest.hookimpl(tryfirst=True)   # before xdist names the groups in the workers' node ids
+@pytest.hookimpl(trylast=True)   # after -k and -m deselected theirs
 def pytest_collection_modifyitems(config, items):
     vllm = [item for item in items if needs_vllm(item)]
     for item in vllm:
         item.add_marker(pytest.mark.vllm)
-        item.add_marker(pytest.mark.xdist_group(VLLM_GROUP))
+    if _worker(config) and os.environ.get(RUN_ENV):
+        # read by the controller before it hands out any test (VLLMGroupScheduling)
+        path = Path(os.environ[RUN_ENV]) / f"vllm-tests.{config.workerinput['workerid']}.json"
+        path.with_suffix(".tmp").write_text(json.dumps([item.nodeid for item in vllm]))
+        os.replace(path.with_suffix(".tmp"), path)
     if vllm and not _worker(config) and not _distributed(config):
         # alone, the vLLM tests go last: the server warms up while the others run
         others = [item for item in items if not needs_vllm(item)]
@@ -79,12 +88,40 @@ def pytest_collection_finish(session):
         _SHARED.start()
 
 
+def _vllm_tests(worker: str) -> set[str]:
+    """The ids of the tests that need vLLM, as the worker collected them."""
+    try:
+        return set(json.loads((Path(os.environ[RUN_ENV]) / f"vllm-tests.{worker}.json").read_text()))
+    except (KeyError, FileNotFoundError):
+        return set()
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node, ids):
     """In the controller, before any test is handed out: start the server if a worker
-    collected a test of the vLLM group (xdist appends "@group" to those ids)."""
-    if _SHARED is not None and any("@" in i and VLLM_GROUP in i.rsplit("@", 1)[1].split("_") for i in ids):
+    collected a test that needs it."""
+    if _SHARED is not None and _vllm_tests(node.gateway.id):
         _SHARED.start()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n N` (xdist's --dist load) by units of work: the tests that need vLLM are one unit,
+    every other test is a unit of its own. The largest unit is handed out first, so the vLLM
+    tests start at once and wait for the warm-up while the other workers go on."""
+    if config.getvalue("dist") != "load":
+        return None     # another --dist asked for: xdist's own
+    from xdist.scheduler import LoadScopeScheduling
+
+    class VLLMGroupScheduling(LoadScopeScheduling):
+        _vllm: set[str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._vllm is None:     # first called once every worker has collected
+                self._vllm = set().union(*(_vllm_tests(node.gateway.id) for node in self.nodes))
+            return VLLM_GROUP if nodeid in self._vllm else nodeid
+
+    return VLLMGroupScheduling(config, log)
 
 
 @pytest.hookimpl(trylast=True)
@@ -93,6 +130,8 @@ def pytest_sessionfinish(session):
         _SHARED.stop()
         if not (shared_vllm.read(_SHARED.state) or {}).get("error"):
             shutil.rmtree(_SHARED.state.parent, ignore_errors=True)
+    if not _worker(session.config) and os.environ.get(RUN_ENV):
+        shutil.rmtree(os.environ[RUN_ENV], ignore_errors=True)
 
 
 @pytest.fixture

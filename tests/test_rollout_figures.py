@@ -153,7 +153,9 @@ def test_rollout_prints_the_figures_while_it_runs_and_in_its_summary(tmp_path):
                   r"call at the backend; (\d+) calls, ([\d.]+) at once while busy\)", text)
     assert m, text
     busy, window, n = float(m[2]), float(m[3]), int(m[4])
-    assert n == len(intervals) and 12 <= n <= 14
+    # every call the backend answered, but a straggler's that may still be at the backend when
+    # the early stop has settled every group and the run prints its figures
+    assert len(intervals) - 1 <= n <= len(intervals) and 12 <= n <= 14, (n, len(intervals))
     assert busy == pytest.approx(truth, abs=0.1 + 0.1 * truth), (busy, truth)
     assert float(m[1]) == pytest.approx(100 * busy / window, abs=0.1 * 100 / window) and window <= took   # shown to 0.1 s
     # calls at once while busy: the recorded backend seconds (each call's 0.4 s and what a

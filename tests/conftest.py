@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import shared_vllm
-from inprocess_proxy import InProcessProxy
+from inprocess_proxy import InProcessProxy, ProxyLayout
 from polar_mitm import launch
 from polar_mitm.models import DEFAULT_MODEL_NAME, ensure_default_model
 from provider_server import ProviderServer
@@ -161,30 +161,18 @@ def vllm_backend(tmp_path_factory):
     service.stop()
 
 
-class Proxy:
+class Proxy(ProxyLayout):
     """A mitmdump process (launch.start_proxy), as the CLI starts it."""
 
     def __init__(self, root: Path, backend: str, extra_sets=None, db_name="calls.duckdb"):
-        self.backend = backend
-        self.db = root / db_name
-        self.confdir = root / "mitmproxy"
-        self.port, self.reverse_port = launch.free_ports(2)
-        self.log = root / "mitmdump.log"
+        super().__init__(root, backend, db_name)
         self.service = launch.start_proxy(db=self.db, backend=backend, port=self.port,
                                           confdir=self.confdir, log_path=self.log,
                                           reverse_port=self.reverse_port, extra_sets=extra_sets)
-        self.ca = str(self.confdir / "mitmproxy-ca-cert.pem")
 
     @property
     def pid(self) -> int:
         return self.service.proc.pid
-
-    def proxy_url(self, user: str | None = None) -> str:
-        return f"http://{user + ':x@' if user else ''}127.0.0.1:{self.port}"
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.reverse_port}"
 
     def stop(self):
         self.service.stop()

@@ -34,17 +34,32 @@ class _Thread:
         return "\n".join(text.splitlines()[-n:] + ([repr(self.proxy.error)] if self.proxy.error else []))
 
 
-class InProcessProxy:
-    """conftest.Proxy's interface (port, reverse_port, db, confdir, log, ca, proxy_url,
-    base_url, pid, stop), served from a thread of this process."""
+class ProxyLayout:
+    """What a test's proxy is, however it runs: its files under root, its two ports (regular
+    and reverse mode) and the URLs a harness or an SDK is given."""
 
-    def __init__(self, root: Path, backend: str, extra_sets=None, db_name="calls.duckdb"):
+    def __init__(self, root: Path, backend: str, db_name: str = "calls.duckdb"):
         self.backend = backend
         self.db = root / db_name
         self.confdir = root / "mitmproxy"
         self.port, self.reverse_port = launch.free_ports(2)
         self.log = root / "mitmdump.log"
         self.ca = str(self.confdir / "mitmproxy-ca-cert.pem")
+
+    def proxy_url(self, user: str | None = None) -> str:
+        return f"http://{user + ':x@' if user else ''}127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.reverse_port}"
+
+
+class InProcessProxy(ProxyLayout):
+    """conftest.Proxy's interface (ProxyLayout's, pid and stop), served from a thread of this
+    process."""
+
+    def __init__(self, root: Path, backend: str, extra_sets=None, db_name="calls.duckdb"):
+        super().__init__(root, backend, db_name)
         self.pid = os.getpid()
         self.error: BaseException | None = None
         self.master = None
@@ -111,13 +126,6 @@ class InProcessProxy:
         self.master = m
         self._ready.set()
         await m.run()
-
-    def proxy_url(self, user: str | None = None) -> str:
-        return f"http://{user + ':x@' if user else ''}127.0.0.1:{self.port}"
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.reverse_port}"
 
     def stop(self) -> None:
         if self.master is not None and self._thread.is_alive():

@@ -34,9 +34,9 @@ def test_the_typed_records_are_the_line_format():
     from polar_mitm.store.records import CALL_FIELDS
     assert set(CALL_FIELDS) - set(LINE_COLUMNS) == {"request_text", "prompt_token_ids"}
     assert tuple(SessionInfo("s").columns()) == SESSION_COLUMNS
-    assert CallRecord.of({"call_id": "c", "token_ids": [1]}) == CallRecord("c", token_ids=[1])
+    assert CallRecord(**{"call_id": "c", "token_ids": [1]}) == CallRecord("c", token_ids=[1])
     with pytest.raises(TypeError):
-        CallRecord.of({"call_id": "c", "_t0": 1.0})   # the start time is submit's t0, not a column
+        CallRecord(**{"call_id": "c", "_t0": 1.0})   # the start time is submit's t0, not a column
 
 
 def test_migrations_are_versioned_and_idempotent(tmp_path):

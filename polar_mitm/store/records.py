@@ -20,11 +20,6 @@ class SessionInfo:
     client: str | None = None       # the peer address of its calls
     user_agent: str | None = None
 
-    @classmethod
-    def of(cls, value: SessionInfo | Mapping[str, Any]) -> SessionInfo:
-        """A SessionInfo, or one made of a mapping's keys (tests and scripts write dicts)."""
-        return value if isinstance(value, SessionInfo) else cls(**value)
-
     def columns(self) -> dict[str, Any]:
         """The session's columns, in the line format's order."""
         return {"session_id": self.session_id, "task_id": self.task_id, "source": self.source,
@@ -63,11 +58,6 @@ class CallRecord:
     policy_version: str | None = None
     dropped: list[str] | None = None         # provider fields not forwarded
     started_at: float | None = None          # wall time (time.time())
-
-    @classmethod
-    def of(cls, value: CallRecord | Mapping[str, Any]) -> CallRecord:
-        """A CallRecord, or one made of a mapping's keys (tests and scripts write dicts)."""
-        return value if isinstance(value, CallRecord) else cls(**value)
 
     def columns(self) -> dict[str, Any]:
         """Every field by name (not a deep copy, as dataclasses.asdict would make)."""

@@ -34,7 +34,7 @@ from provider_server import ProviderServer
 os.environ.setdefault("POLAR_SANDBOX_EXPOSE", str(Path(__file__).parent))
 
 VLLM_GROUP = "vllm"
-RUN_ENV = "POLAR_TEST_RUN"     # the run's folder: the workers' lists of vLLM tests
+RUN_ENV = "POLAR_TEST_RUN"     # the run's folder: the shared server's state and log, the workers' lists of vLLM tests
 _SHARED: shared_vllm.SharedVLLM | None = None     # the run owner's server, once started
 
 
@@ -56,13 +56,13 @@ def pytest_configure(config):
         wid, count = config.workerinput["workerid"], config.workerinput["workercount"]
         os.environ["POLAR_PORT_SLICE"] = f"{int(wid.removeprefix('gw'))}/{count + 1}"
         return
+    run = Path(tempfile.mkdtemp(prefix="polar-test-run-"))
+    os.environ[RUN_ENV] = str(run)      # the workers inherit it
     if _distributed(config):
-        os.environ[RUN_ENV] = tempfile.mkdtemp(prefix="polar-test-run-")   # the workers inherit it
         os.environ["POLAR_PORT_SLICE"] = f"{len(config.option.tx)}/{len(config.option.tx) + 1}"
     if not os.environ.get("POLAR_TEST_BACKEND") and not config.option.collectonly:
-        state = Path(tempfile.mkdtemp(prefix="polar-test-vllm-")) / "state.json"
-        os.environ[shared_vllm.STATE_ENV] = str(state)    # the workers inherit it
-        _SHARED = shared_vllm.SharedVLLM(state)
+        os.environ[shared_vllm.STATE_ENV] = str(run / "state.json")
+        _SHARED = shared_vllm.SharedVLLM(run / "state.json")
 
 
 @pytest.hookimpl(trylast=True)   # after -k and -m deselected theirs
@@ -72,9 +72,8 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.vllm)
     if _worker(config) and os.environ.get(RUN_ENV):
         # read by the controller before it hands out any test (VLLMGroupScheduling)
-        path = Path(os.environ[RUN_ENV]) / f"vllm-tests.{config.workerinput['workerid']}.json"
-        path.with_suffix(".tmp").write_text(json.dumps([item.nodeid for item in vllm]))
-        os.replace(path.with_suffix(".tmp"), path)
+        shared_vllm.write_json(Path(os.environ[RUN_ENV]) / f"vllm-tests.{config.workerinput['workerid']}.json",
+                               [item.nodeid for item in vllm])
     if vllm and not _worker(config) and not _distributed(config):
         # alone, the vLLM tests go last: the server warms up while the others run
         others = [item for item in items if not needs_vllm(item)]
@@ -126,12 +125,13 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session):
-    if _SHARED is not None and not _worker(session.config):
+    if _worker(session.config):
+        return
+    if _SHARED is not None:
         _SHARED.stop()
-        if not (shared_vllm.read(_SHARED.state) or {}).get("error"):
-            shutil.rmtree(_SHARED.state.parent, ignore_errors=True)
-    if not _worker(session.config) and os.environ.get(RUN_ENV):
-        shutil.rmtree(os.environ[RUN_ENV], ignore_errors=True)
+        if (shared_vllm.read(_SHARED.state) or {}).get("error"):
+            return      # the run's folder keeps the server's log
+    shutil.rmtree(os.environ[RUN_ENV], ignore_errors=True)
 
 
 @pytest.fixture

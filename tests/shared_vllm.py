@@ -22,9 +22,9 @@ STATE_ENV = "POLAR_TEST_VLLM_STATE"
 WAIT_S = 1800.0     # warm-up on a loaded CPU machine plus the worst start we saw, with room
 
 
-def _write(path: Path, state: dict) -> None:
+def write_json(path: Path, value: object) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(state))
+    tmp.write_text(json.dumps(value))
     os.replace(tmp, path)   # readers never see half a file
 
 
@@ -49,7 +49,7 @@ class SharedVLLM:
 
     def start(self) -> None:
         if self._thread is None:
-            _write(self.state, {"starting": True})
+            write_json(self.state, {"starting": True})
             self._thread = threading.Thread(target=self._run, name="shared-vllm", daemon=True)
             self._thread.start()
 
@@ -62,13 +62,13 @@ class SharedVLLM:
             model_dir = ensure_default_model()
             port = launch.free_port()
             state["url"] = f"http://127.0.0.1:{port}"
-            _write(self.state, state)
+            write_json(self.state, state)
             self.service = launch.start_vllm(model_dir, port=port, served_name=DEFAULT_MODEL_NAME, log_path=log,
                                              chat_template=launch.TEMPLATES / "smollm2_tools.jinja")
             state["ready"] = True
         except BaseException as e:   # noqa: BLE001  (every waiting test reports it)
             state["error"] = f"{type(e).__name__}: {e}"
-        _write(self.state, state)
+        write_json(self.state, state)
 
     def stop(self) -> None:
         """Stops a started server. One still warming up ends with this process (janitor)."""

@@ -121,6 +121,9 @@ class GatewayNode:
         self._policy_target: PolicyTarget | None = None
         self._policy_wake = threading.Event()
         self._beat = threading.Event()
+        # one heartbeat at a time: two in flight would both send the same events and then
+        # drop twice as many from the outbox
+        self._heartbeat_lock = threading.Lock()
         self._unsettled: dict[str, tuple[float, dict, str]] = {}   # session -> (reward, info, task), not settled yet
         self._settled: queue.Queue[str | None] = queue.Queue()
         self.policy: PolicyReport | None = None
@@ -235,6 +238,10 @@ class GatewayNode:
             self._beat.clear()
 
     def _flush_outbox(self) -> None:
+        with self._heartbeat_lock:
+            self._heartbeat()
+
+    def _heartbeat(self) -> None:
         with self._lock:
             events = list(self._outbox)
             active = list(self._held)

@@ -62,7 +62,7 @@ class RolloutServer:
         self._dirty_tasks: set[str] = set()
         self._dirty_sessions: set[str] = set()
         self._events: list[journal.Event] = []
-        self._last_at = 0.0
+        self._last_us = 0
         # callbacks to post: (when, attempt, task_id), each task on its own schedule
         self._callbacks: list[tuple[float, int, str]] = []
         self._callback_tasks: set[str] = set()       # queued or being posted
@@ -220,12 +220,12 @@ class RolloutServer:
         for e in effects:
             if isinstance(e, SessionMoved):
                 self._dirty_sessions.add(e.session_id)
-                self._events.append(journal.Event(at=self._stamp(), task_id=e.task_id, session_id=e.session_id,
+                self._events.append(journal.Event(at_us=self._stamp(), task_id=e.task_id, session_id=e.session_id,
                                                   state=e.state, node_id=e.node_id, detail=e.detail))
             elif isinstance(e, TaskMoved):
                 self._dirty_tasks.add(e.task_id)
             elif isinstance(e, Noted):
-                self._events.append(journal.Event(at=self._stamp(), task_id=e.task_id or "", session_id=None,
+                self._events.append(journal.Event(at_us=self._stamp(), task_id=e.task_id or "", session_id=None,
                                                   state=e.state, node_id=e.node_id, detail=e.detail))
             elif isinstance(e, CallbackDue):
                 if e.attempt == 0 and e.task_id in self._callback_tasks:
@@ -234,10 +234,11 @@ class RolloutServer:
                 heapq.heappush(self._callbacks, (time.monotonic() + e.delay, e.attempt, e.task_id))
         self._changed.notify_all()
 
-    def _stamp(self) -> float:
-        """Now (unix seconds), after every event stamped before: events keep their order."""
-        self._last_at = max(time.time(), self._last_at + 1e-6)
-        return self._last_at
+    def _stamp(self) -> int:
+        """Now (unix microseconds), after every event stamped before: events keep their order.
+        Integers: float seconds lose the 1 us step in the conversion to a TIMESTAMPTZ."""
+        self._last_us = max(time.time_ns() // 1000, self._last_us + 1)
+        return self._last_us
 
     # -- background loops ---------------------------------------------------------------
     def _reaper_loop(self) -> None:

@@ -42,7 +42,7 @@ class SessionRow(TypedDict):
 
 
 class Event(TypedDict):
-    at: float                    # unix seconds
+    at_us: int                   # unix microseconds: exact, so events keep their order in SQL
     task_id: str
     session_id: str | None
     state: str
@@ -89,8 +89,8 @@ def save(path: str | os.PathLike, batch: Batch, timeout: float = 60.0) -> None:
                      for s in batch["sessions"]])
             if batch["events"]:
                 con.executemany(
-                    "INSERT INTO rollout_events VALUES (to_timestamp(?), ?, ?, ?, ?, ?)",
-                    [[e["at"], e["task_id"], e["session_id"], e["state"], e["node_id"], e["detail"]]
+                    "INSERT INTO rollout_events VALUES (to_timestamp(0) + to_microseconds(?), ?, ?, ?, ?, ?)",
+                    [[e["at_us"], e["task_id"], e["session_id"], e["state"], e["node_id"], e["detail"]]
                      for e in batch["events"]])
             con.execute("COMMIT")
         except BaseException:

@@ -317,7 +317,7 @@ class RolloutServer:
 
 
 def _task_row(ts: TaskState) -> journal.TaskRow:
-    return journal.TaskRow(task_id=ts.spec.task_id, spec=ts.spec.to_json(), state=ts.state,
+    return journal.TaskRow(task_id=ts.spec.task_id, order=ts.order, spec=ts.spec.to_json(), state=ts.state,
                            priority=ts.spec.priority, callback_state=ts.callback_state,
                            callback_tries=ts.callback_tries, cancel_reason=ts.cancel_reason)
 

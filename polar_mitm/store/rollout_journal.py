@@ -21,6 +21,7 @@ STOPPING = "stopping"      # a task-level event: its unfinished sessions are bei
 
 class TaskRow(TypedDict):
     task_id: str
+    order: int | None            # submitted as the server's n-th task (None: saved before schema 9)
     spec: dict
     state: str
     priority: int
@@ -72,11 +73,11 @@ def save(path: str | os.PathLike, batch: Batch, timeout: float = 60.0) -> None:
             if batch["tasks"]:
                 con.executemany(
                     "INSERT INTO rollout_tasks (task_id, spec, state, priority, callback_state, "
-                    "callback_tries) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (task_id) DO UPDATE SET "
+                    "callback_tries, submit_order) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (task_id) DO UPDATE SET "
                     "state = excluded.state, callback_state = excluded.callback_state, "
                     "callback_tries = excluded.callback_tries, updated_at = now()",
                     [[t["task_id"], _j(t["spec"]), t["state"], t["priority"], t["callback_state"],
-                      t["callback_tries"]] for t in batch["tasks"]])
+                      t["callback_tries"], t["order"]] for t in batch["tasks"]])
             if batch["sessions"]:
                 con.executemany(
                     "INSERT INTO rollout_sessions (session_id, task_id, sample, attempt, state, "
@@ -102,12 +103,13 @@ def load(path: str | os.PathLike, timeout: float = 60.0) -> tuple[list[TaskRow],
     """Every task and session, for a restarted server."""
     with reading(path, timeout) as con:
         tasks = [TaskRow(task_id=r[0], spec=orjson.loads(r[1]), state=r[2], priority=r[3],
-                         callback_state=r[4], callback_tries=r[5], cancel_reason=r[6])
+                         callback_state=r[4], callback_tries=r[5], cancel_reason=r[6], order=r[7])
                  for r in con.execute(
-                     "SELECT t.task_id, spec, t.state, priority, callback_state, callback_tries, e.detail "
+                     "SELECT t.task_id, spec, t.state, priority, callback_state, callback_tries, e.detail, "
+                     "submit_order "
                      "FROM rollout_tasks t LEFT JOIN (SELECT task_id, arg_max(detail, event_at) AS detail "
                      "FROM rollout_events WHERE session_id IS NULL AND state = ? GROUP BY task_id) e "
-                     "USING (task_id) ORDER BY submitted_at, t.task_id", [STOPPING]).fetchall()]
+                     "USING (task_id) ORDER BY submitted_at, submit_order, t.task_id", [STOPPING]).fetchall()]
         sessions = [SessionRow(session_id=r[0], task_id=r[1], sample=r[2], attempt=r[3], state=r[4],
                                node_id=r[5], reward=r[6], reason=r[7],
                                stats=orjson.loads(r[8]) if r[8] else None)

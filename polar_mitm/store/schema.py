@@ -301,6 +301,12 @@ MIGRATIONS: list[str] = [
     ALTER TABLE loop_iterations ADD COLUMN sync_wake_s DOUBLE;
     ALTER TABLE loop_iterations ADD COLUMN sleep_s DOUBLE;
     """,
+    # 9: the order tasks were submitted in. submitted_at is the time of the batch that first
+    # saved a task (now() is per transaction), so tasks submitted together tied and a
+    # restarted server took them in task_id order.
+    """
+    ALTER TABLE rollout_tasks ADD COLUMN submit_order BIGINT;
+    """,
 ]
 
 # What the loader writes to call_records.

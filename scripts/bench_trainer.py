@@ -16,7 +16,8 @@ Tokens/s is not work/s: a token costs its share of the weights' matmuls plus att
 every token before it. The trie drops prefix_merging's copies of the shared prompt, the
 cheapest tokens (short contexts), so its remaining tokens attend to longer contexts on
 average; the model-FLOP/s column (weights, attention pairs and lm_head counted) shows the
-work per second, which is what a per-token overhead would lower. Torch runs on --threads
+work per second, which is what a per-token overhead would lower; a last table gives the
+tokens/s ratio equal FLOP/s allows at real model shapes and full-size contexts. Torch runs on --threads
 threads (default 1), so the verdict does not depend on the machine's load."""
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import random
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -87,22 +89,49 @@ def small_model(vocab: int):
     return LlamaForCausalLM(cfg)
 
 
-def model_flops(lm, calls, builder: str) -> float:
-    """FLOPs of one fwd+bwd (3x forward): per forward token the weights' matmuls, per
-    (query, key) pair attention's two products, per trained token the lm_head (run twice:
-    its chunks are recomputed in backward)."""
-    c = lm.config
-    head_dim = c.hidden_size // c.num_attention_heads
-    kv = c.num_key_value_heads * head_dim
-    per_token = c.num_hidden_layers * (c.hidden_size * (2 * c.hidden_size + 2 * kv)
-                                       + 3 * c.hidden_size * c.intermediate_size)
+# Real model shapes for the FLOP mix: (layers, hidden, intermediate, heads, kv heads, head dim, vocab)
+SHAPES = {
+    "SmolLM2-135M": (30, 576, 1536, 9, 3, 64, 49152),
+    "Qwen3-1.7B": (28, 2048, 6144, 16, 8, 128, 151936),
+    "Qwen3-8B": (36, 4096, 12288, 32, 8, 128, 151936),
+}
+
+
+def shape_config(layers, hidden, inter, heads, kv_heads, head_dim, vocab) -> SimpleNamespace:
+    return SimpleNamespace(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter,
+                           num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                           vocab_size=vocab)
+
+
+def model_flops(c, samples) -> float:
+    """FLOPs of one fwd+bwd (3x forward) of config c over a builder's samples: per forward
+    token the weights' matmuls, per (query, key) pair attention's two products, per trained
+    token the lm_head (run twice: its chunks are recomputed in backward)."""
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    per_token = c.num_hidden_layers * (c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size)
     per_pair = c.num_hidden_layers * 2 * c.num_attention_heads * head_dim
-    samples = build(calls, builder).samples
     tokens = sum(len(s) for s in samples)
     pairs = sum(d + 1 for s in samples for d in s.depth)   # a node attends to its depth + 1 ancestors
     trained = sum(len(s.target_node) for s in samples)
     macs = tokens * per_token + pairs * per_pair + trained * c.hidden_size * c.vocab_size * 4 / 3
     return 2 * 3 * macs
+
+
+def ceilings(workloads: dict[str, dict[str, list]]) -> None:
+    """At equal FLOP/s, the trie's tokens/s relative to prefix_merging's is the inverse of
+    what a trie token costs relative to a prefix_merging token: attention's share of the
+    work per token sets it, so it depends on the model's shape and the contexts' lengths."""
+    print(f"{'model':15}{'workload':>24}{'trie token FLOPs':>18}{'tokens/s at equal FLOP/s':>26}"
+          f"{'time saving':>13}")
+    for name, dims in SHAPES.items():
+        c = shape_config(*dims)
+        for wname, samples in workloads.items():
+            f = {b: model_flops(c, samples[b]) for b in ("prefix_merging", "trie")}
+            t = {b: sum(len(s) for s in samples[b]) for b in ("prefix_merging", "trie")}
+            cost = (f["trie"] / t["trie"]) / (f["prefix_merging"] / t["prefix_merging"])
+            print(f"{name:15}{wname:>24}{cost:>17.2f}x{1 / cost:>25.2f}x"
+                  f"{f['prefix_merging'] / f['trie']:>12.2f}x")
 
 
 def epoch_seconds(lm, calls, builder: str, budget: int) -> tuple[float, int]:
@@ -140,14 +169,16 @@ def main() -> int:
           f"shared prompt {full.shared}, tool {full.tool}, response {full.response}, "
           f"{full.drifts} drift + {full.side_calls} side call per session")
     t0 = time.perf_counter()
-    rows = token_table(make_calls(full, args.tasks))
+    full_calls = make_calls(full, args.tasks)
+    rows = token_table(full_calls)
     print(f"(built in {time.perf_counter() - t0:.1f}s)")
 
     print(f"\n== token counts on a held-out-shaped workload: {len(HELD_OUT)} tasks x "
           f"{HELD_OUT[0][1].sessions} samples, 2-3 calls per session ("
           + ", ".join(f"{n} {s.shared / 1000:g}k prompt, {s.turns + s.side_calls} calls"
                       for n, s in HELD_OUT) + ")")
-    token_table(held_out_calls())
+    held_out = held_out_calls()
+    token_table(held_out)
 
     s = args.scale
     small = Shape(shared=full.shared // s, tool=(full.tool[0] // s, full.tool[1] // s),
@@ -165,7 +196,7 @@ def main() -> int:
             sec, nrows[b] = epoch_seconds(lm, calls, b, args.budget)
             times[b].append(sec)
     small_rows = {b: build(calls, b).stats.as_dict() for b in ORDER}
-    flops = {b: model_flops(lm, calls, b) for b in ORDER}
+    flops = {b: model_flops(lm.config, build(calls, b).samples) for b in ORDER}
     med = {b: statistics.median(t) for b, t in times.items()}
     tps = {b: small_rows[b]["forward_tokens"] / med[b] for b in ORDER}
     fps = {b: flops[b] / med[b] for b in ORDER}
@@ -178,6 +209,10 @@ def main() -> int:
     per_token = {b: flops[b] / small_rows[b]["forward_tokens"] for b in ORDER}
     print(f"trie / prefix_merging: tokens/s {ratio:.2f}x, model FLOP/s {work_ratio:.2f}x; a trie token costs "
           f"{per_token['trie'] / per_token['prefix_merging']:.2f}x a prefix_merging token's FLOPs")
+
+    print("\n== the same ratio at real model shapes and full-size contexts, from the FLOP mix")
+    ceilings({f"20-turn, {args.tasks} tasks": {b: build(full_calls, b).samples for b in ("prefix_merging", "trie")},
+              "held-out-shaped": {b: build(held_out, b).samples for b in ("prefix_merging", "trie")}})
 
     fwd = {b: r["forward_tokens"] for b, r in rows.items()}
     checks = [

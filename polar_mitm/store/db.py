@@ -71,20 +71,21 @@ def _pid_alive(request_name: str) -> bool:
 
 LOADER_FILE = ".loader"      # in <db>.readers/: the pid of a proxy loading its call log
 READY_SUFFIX = ".ready"      # the loader's answer: everything acknowledged is in the file
-READY_WAIT_S = 5.0
 
 
 @contextmanager
-def _announced(path: str | os.PathLike) -> Iterator[None]:
+def _announced(path: str | os.PathLike, wait: float) -> Iterator[None]:
     """Ask a running proxy's loader to load what it has acknowledged and then leave the
-    file alone while we use it."""
+    file alone while we use it. A live loader is waited for up to `wait` seconds (the
+    caller's timeout: a busy machine's first load can take seconds, and a reader that went
+    on without it would miss acknowledged calls); a dead one not at all."""
     request = readers_dir(path) / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     request.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     request.touch()
     ready = request.with_name(request.name + READY_SUFFIX)
     try:
         if loader_running(path):
-            deadline = time.monotonic() + READY_WAIT_S
+            deadline = time.monotonic() + wait
             while not ready.exists() and time.monotonic() < deadline and loader_running(path):
                 time.sleep(0.005)
         yield
@@ -131,7 +132,7 @@ def reading(path: str | os.PathLike, timeout: float = 30.0) -> Iterator[duckdb.D
     """A read-only connection, closed on exit so the proxy can write again."""
     if not Path(path).exists():
         raise FileNotFoundError(f"no database at {path}")
-    with _announced(path):
+    with _announced(path, timeout):
         # After the wait: the proxy may have died meanwhile, leaving calls in its log.
         _catch_up_if_orphaned(path, timeout)
         con = connect(path, read_only=True, timeout=timeout)
@@ -144,7 +145,7 @@ def reading(path: str | os.PathLike, timeout: float = 30.0) -> Iterator[duckdb.D
 @contextmanager
 def writing(path: str | os.PathLike, timeout: float = 30.0) -> Iterator[duckdb.DuckDBPyConnection]:
     """A short read-write connection for another process (rewards, migrations)."""
-    with _announced(path):
+    with _announced(path, timeout):
         con = connect(path, timeout=timeout)
         try:
             yield con

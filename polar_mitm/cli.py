@@ -15,7 +15,7 @@ import click
 from . import launch
 from .models import cache_dir
 from .rollout_cli import register as register_rollout
-from .stack import Stack, stop_on_sigterm
+from .stack import Stack, interrupted_exit_code, stop_on_sigterm
 from .store import export_parquet, query
 
 
@@ -112,7 +112,10 @@ def addon_path():
 @click.option("--model", default="", help="Serve this model directory (a polar-train checkpoint) instead of the default")
 @click.option("--dtype", default="float32", show_default=True, help="vLLM's dtype (the trainer's by default)")
 def up(db, backend, port, reverse_port, confdir, max_model_len, model, dtype):
-    """Start vLLM (unless --backend) and the proxy; stop with Ctrl-C or SIGTERM."""
+    """Start vLLM (unless --backend) and the proxy; stop with Ctrl-C or SIGTERM.
+
+    Exit status: 130 after Ctrl-C, 143 after SIGTERM (as `node` and `rollout-server`); 1 when
+    a service it started stopped by itself."""
     stop_on_sigterm()
     logs = cache_dir() / "logs"
     logs.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -126,8 +129,12 @@ def up(db, backend, port, reverse_port, confdir, max_model_len, model, dtype):
             click.echo(f"or point a base URL at http://127.0.0.1:{reverse_port}")
             while not stack.dead():
                 time.sleep(1)
-        except KeyboardInterrupt:
-            pass
+        except KeyboardInterrupt as e:
+            code = interrupted_exit_code(e)
+        else:
+            click.echo(f"stopped: {stack.why_dead()}", err=True)
+            code = 1
+    sys.exit(code)
 
 
 DEMO_TASKS = Path(__file__).parent / "demo_tasks"

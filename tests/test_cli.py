@@ -40,7 +40,7 @@ def test_up_serves_records_and_stops_on_ctrl_c(tmp_path):
         oa = openai.OpenAI(base_url=f"http://127.0.0.1:{rport}/v1", api_key="polar-up~1", max_retries=0)
         assert oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}]).choices
         p.send_signal(signal.SIGINT)
-        assert p.wait(30) == 0
+        assert p.wait(30) == 130          # the shell's code for Ctrl-C, as node and rollout-server
     assert query(db, "SELECT session_id, status_code FROM calls")[1] == [("up~1", 200)]
     assert (tmp_path / "conf" / "mitmproxy-ca-cert.pem").exists()
     try:  # everything it started is gone
@@ -85,7 +85,7 @@ def test_up_stops_everything_on_sigterm(tmp_path, sig):
             assert httpx.get(f"http://127.0.0.1:{rport}/v1/models", timeout=5, trust_env=False).status_code == 200
             (mitmdump,) = children(p.pid, "mitmdump")
             p.send_signal(sig)
-            p.wait(30)
+            assert p.wait(30) == {signal.SIGTERM: 143, signal.SIGINT: 130, signal.SIGKILL: -signal.SIGKILL}[sig]
             deadline = time.monotonic() + (30 if sig == signal.SIGKILL else 5)
             while time.monotonic() < deadline and Path(f"/proc/{mitmdump}").exists():
                 time.sleep(0.1)
@@ -97,6 +97,26 @@ def test_up_stops_everything_on_sigterm(tmp_path, sig):
             p.kill()
             if mitmdump and Path(f"/proc/{mitmdump}").exists():
                 os.kill(mitmdump, signal.SIGKILL)
+
+
+def test_up_exits_1_saying_why_when_the_proxy_dies(tmp_path):
+    port, rport = launch.free_ports(2)
+    with FakeVLLM() as fake:
+        p = subprocess.Popen(CLI + ["up", "--db", str(tmp_path / "r.duckdb"), "--backend", fake.url,
+                                    "--port", str(port), "--reverse-port", str(rport),
+                                    "--confdir", str(tmp_path / "conf")],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, "POLAR_MITM_CACHE": str(tmp_path / "cache")})
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and "base URL" not in p.stdout.readline():
+                pass
+            (mitmdump,) = children(p.pid, "mitmdump")
+            os.kill(mitmdump, signal.SIGKILL)
+            assert p.wait(30) == 1
+            assert "stopped: mitmdump" in p.stdout.read()
+        finally:
+            p.kill()
 
 
 def test_options_lists_the_addon_options():

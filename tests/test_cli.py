@@ -20,21 +20,27 @@ from polar_mitm.store import query
 CLI = [sys.executable, "-m", "polar_mitm.cli"]
 
 
+def start_up(tmp_path, backend: str, port: int, rport: int, **popen) -> tuple[subprocess.Popen, str]:
+    """`polar-mitm up` against `backend`; returns it and what it printed until it was ready."""
+    p = subprocess.Popen(CLI + ["up", "--db", str(tmp_path / "r.duckdb"), "--backend", backend,
+                                "--port", str(port), "--reverse-port", str(rport),
+                                "--confdir", str(tmp_path / "conf")],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env={**os.environ, "POLAR_MITM_CACHE": str(tmp_path / "cache")}, **popen)
+    lines = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        lines.append(p.stdout.readline())
+        if "base URL" in lines[-1]:
+            break
+    return p, "".join(lines)
+
+
 def test_up_serves_records_and_stops_on_ctrl_c(tmp_path):
     db = tmp_path / "r.duckdb"
     port, rport = launch.free_ports(2)
     with FakeVLLM() as fake:
-        p = subprocess.Popen(CLI + ["up", "--db", str(db), "--backend", fake.url, "--port", str(port),
-                                    "--reverse-port", str(rport), "--confdir", str(tmp_path / "conf")],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env={**os.environ, "POLAR_MITM_CACHE": str(tmp_path / "cache")})
-        lines = []
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            lines.append(p.stdout.readline())
-            if "base URL" in lines[-1]:
-                break
-        out = "".join(lines)
+        p, out = start_up(tmp_path, fake.url, port, rport)
         assert f"export HTTPS_PROXY=http://127.0.0.1:{port}" in out
         assert "NODE_EXTRA_CA_CERTS=" in out and "SSL_CERT_FILE=" in out
         oa = openai.OpenAI(base_url=f"http://127.0.0.1:{rport}/v1", api_key="polar-up~1", max_retries=0)
@@ -71,17 +77,10 @@ def test_up_stops_everything_on_sigterm(tmp_path, sig):
     killer, kill -9): no handler runs, the janitor stops mitmdump."""
     port, rport = launch.free_ports(2)
     with FakeVLLM() as fake:
-        p = subprocess.Popen(CLI + ["up", "--db", str(tmp_path / "r.duckdb"), "--backend", fake.url,
-                                    "--port", str(port), "--reverse-port", str(rport),
-                                    "--confdir", str(tmp_path / "conf")],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env={**os.environ, "POLAR_MITM_CACHE": str(tmp_path / "cache")},
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        p, _ = start_up(tmp_path, fake.url, port, rport,
+                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
         mitmdump = None
         try:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and "base URL" not in p.stdout.readline():
-                pass
             assert httpx.get(f"http://127.0.0.1:{rport}/v1/models", timeout=5, trust_env=False).status_code == 200
             (mitmdump,) = children(p.pid, "mitmdump")
             p.send_signal(sig)
@@ -102,15 +101,8 @@ def test_up_stops_everything_on_sigterm(tmp_path, sig):
 def test_up_exits_1_saying_why_when_the_proxy_dies(tmp_path):
     port, rport = launch.free_ports(2)
     with FakeVLLM() as fake:
-        p = subprocess.Popen(CLI + ["up", "--db", str(tmp_path / "r.duckdb"), "--backend", fake.url,
-                                    "--port", str(port), "--reverse-port", str(rport),
-                                    "--confdir", str(tmp_path / "conf")],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env={**os.environ, "POLAR_MITM_CACHE": str(tmp_path / "cache")})
+        p, _ = start_up(tmp_path, fake.url, port, rport)
         try:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and "base URL" not in p.stdout.readline():
-                pass
             (mitmdump,) = children(p.pid, "mitmdump")
             os.kill(mitmdump, signal.SIGKILL)
             assert p.wait(30) == 1

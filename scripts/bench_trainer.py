@@ -62,8 +62,10 @@ def held_out_calls(seed: int = 0):
     return [c for name, shape in HELD_OUT for c in group(name, shape, rng)]
 
 
-def token_table(calls) -> dict[str, dict]:
-    rows = {b: build(calls, b).stats.as_dict() for b in ORDER}
+def token_table(calls) -> dict:
+    """Prints each builder's counts; returns what each builder built."""
+    built = {b: build(calls, b) for b in ORDER}
+    rows = {b: t.stats.as_dict() for b, t in built.items()}
     base = rows["per_request"]
     print(f"{'builder':15}{'sequences':>11}{'forward tokens':>16}{'trained tokens':>16}{'branches':>10}"
           f"{'drift ev/tok':>14}{'seq ratio':>11}{'fwd ratio':>11}")
@@ -71,7 +73,7 @@ def token_table(calls) -> dict[str, dict]:
         print(f"{b:15}{r['sequences']:>11,}{r['forward_tokens']:>16,}{r['trained_tokens']:>16,}{r['branches']:>10,}"
               f"{r['drift_events']:>7}/{r['drift_tokens']:<6,}{base['sequences'] / r['sequences']:>10.2f}x"
               f"{base['forward_tokens'] / r['forward_tokens']:>10.2f}x")
-    return rows
+    return built
 
 
 def small_model(vocab: int):
@@ -170,7 +172,7 @@ def main() -> int:
           f"{full.drifts} drift + {full.side_calls} side call per session")
     t0 = time.perf_counter()
     full_calls = make_calls(full, args.tasks)
-    rows = token_table(full_calls)
+    full_built = token_table(full_calls)
     print(f"(built in {time.perf_counter() - t0:.1f}s)")
 
     print(f"\n== token counts on a held-out-shaped workload: {len(HELD_OUT)} tasks x "
@@ -178,7 +180,7 @@ def main() -> int:
           + ", ".join(f"{n} {s.shared / 1000:g}k prompt, {s.turns + s.side_calls} calls"
                       for n, s in HELD_OUT) + ")")
     held_out = held_out_calls()
-    token_table(held_out)
+    held_built = token_table(held_out)
 
     s = args.scale
     small = Shape(shared=full.shared // s, tool=(full.tool[0] // s, full.tool[1] // s),
@@ -195,8 +197,9 @@ def main() -> int:
         for b in ORDER:
             sec, nrows[b] = epoch_seconds(lm, calls, b, args.budget)
             times[b].append(sec)
-    small_rows = {b: build(calls, b).stats.as_dict() for b in ORDER}
-    flops = {b: model_flops(lm.config, build(calls, b).samples) for b in ORDER}
+    small_built = {b: build(calls, b) for b in ORDER}
+    small_rows = {b: t.stats.as_dict() for b, t in small_built.items()}
+    flops = {b: model_flops(lm.config, t.samples) for b, t in small_built.items()}
     med = {b: statistics.median(t) for b, t in times.items()}
     tps = {b: small_rows[b]["forward_tokens"] / med[b] for b in ORDER}
     fps = {b: flops[b] / med[b] for b in ORDER}
@@ -211,10 +214,10 @@ def main() -> int:
           f"{per_token['trie'] / per_token['prefix_merging']:.2f}x a prefix_merging token's FLOPs")
 
     print("\n== the same ratio at real model shapes and full-size contexts, from the FLOP mix")
-    ceilings({f"20-turn, {args.tasks} tasks": {b: build(full_calls, b).samples for b in ("prefix_merging", "trie")},
-              "held-out-shaped": {b: build(held_out, b).samples for b in ("prefix_merging", "trie")}})
+    ceilings({f"20-turn, {args.tasks} tasks": {b: t.samples for b, t in full_built.items()},
+              "held-out-shaped": {b: t.samples for b, t in held_built.items()}})
 
-    fwd = {b: r["forward_tokens"] for b, r in rows.items()}
+    fwd = {b: t.stats.as_dict()["forward_tokens"] for b, t in full_built.items()}
     checks = [
         ("prefix_merging >= 5.4x fewer forward tokens than per_request",
          fwd["per_request"] / fwd["prefix_merging"], 5.4),

@@ -33,6 +33,7 @@ import torch
 
 from polar_mitm.grpo.advantages import group_advantages, token_weights
 from polar_mitm.grpo.config import BUILDERS
+from polar_mitm.grpo.flops import model_flops, token_cost
 from polar_mitm.grpo.policy import TokenLogprobs
 from polar_mitm.grpo.synthetic import Shape, group
 from polar_mitm.grpo.train import TrainConfig, prepare_step, run_step
@@ -105,21 +106,6 @@ def shape_config(layers, hidden, inter, heads, kv_heads, head_dim, vocab) -> Sim
                            vocab_size=vocab)
 
 
-def model_flops(c, samples) -> float:
-    """FLOPs of one fwd+bwd (3x forward) of config c over a builder's samples: per forward
-    token the weights' matmuls, per (query, key) pair attention's two products, per trained
-    token the lm_head (run twice: its chunks are recomputed in backward)."""
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
-    per_token = c.num_hidden_layers * (c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size)
-    per_pair = c.num_hidden_layers * 2 * c.num_attention_heads * head_dim
-    tokens = sum(len(s) for s in samples)
-    pairs = sum(d + 1 for s in samples for d in s.depth)   # a node attends to its depth + 1 ancestors
-    trained = sum(len(s.target_node) for s in samples)
-    macs = tokens * per_token + pairs * per_pair + trained * c.hidden_size * c.vocab_size * 4 / 3
-    return 2 * 3 * macs
-
-
 def ceilings(workloads: dict[str, dict[str, list]]) -> None:
     """At equal FLOP/s, the trie's tokens/s relative to prefix_merging's is the inverse of
     what a trie token costs relative to a prefix_merging token: attention's share of the
@@ -130,8 +116,7 @@ def ceilings(workloads: dict[str, dict[str, list]]) -> None:
         c = shape_config(*dims)
         for wname, samples in workloads.items():
             f = {b: model_flops(c, samples[b]) for b in ("prefix_merging", "trie")}
-            t = {b: sum(len(s) for s in samples[b]) for b in ("prefix_merging", "trie")}
-            cost = (f["trie"] / t["trie"]) / (f["prefix_merging"] / t["prefix_merging"])
+            cost = token_cost(c, samples, "trie", "prefix_merging")
             print(f"{name:15}{wname:>24}{cost:>17.2f}x{1 / cost:>25.2f}x"
                   f"{f['prefix_merging'] / f['trie']:>12.2f}x")
 
@@ -209,9 +194,9 @@ def main() -> int:
         print(f"{b:15}{small_rows[b]['forward_tokens']:>16,}{flops[b] / 1e9:>13,.1f}{nrows[b]:>7}{med[b]:>10.2f}"
               f"{med['per_request'] / med[b]:>15.2f}x{tps[b]:>10,.0f}{fps[b] / 1e9:>9.1f}")
     ratio, work_ratio = tps["trie"] / tps["prefix_merging"], fps["trie"] / fps["prefix_merging"]
-    per_token = {b: flops[b] / small_rows[b]["forward_tokens"] for b in ORDER}
+    cost = token_cost(lm.config, {b: t.samples for b, t in small_built.items()}, "trie", "prefix_merging")
     print(f"trie / prefix_merging: tokens/s {ratio:.2f}x, model FLOP/s {work_ratio:.2f}x; a trie token costs "
-          f"{per_token['trie'] / per_token['prefix_merging']:.2f}x a prefix_merging token's FLOPs")
+          f"{cost:.2f}x a prefix_merging token's FLOPs")
 
     print("\n== the same ratio at real model shapes and full-size contexts, from the FLOP mix")
     ceilings({f"20-turn, {args.tasks} tasks": {b: t.samples for b, t in full_built.items()},

@@ -5,9 +5,11 @@ no DuckDB, no network): run by scripts/gpu_check.sh.
    calls) on the CPU in float32 against CUDA with flex attention, in float32 and in bf16
    autocast: loss, per-token logprobs and gradients, as differences.
 2. Speed: one forward+backward step at a Qwen3-1.7B-shaped random model (28 x 2048, GQA
-   16/8, vocabulary 151,936) on a 15k-token shared prefix with 8 samples, trie against
-   per_request: forward tokens, tokens/s and model FLOPs utilization (6 N T over the GPU's
-   dense bf16 peak; attention FLOPs left out, so it is a lower bound).
+   16/8, vocabulary 151,936) on a 15k-token shared prefix with 8 samples of 3 calls, for
+   each builder (trie, prefix_merging, per_request): forward tokens, tokens/s, model FLOP/s
+   (weights, attention pairs and lm_head: polar_mitm.grpo.flops) and its utilization of the
+   GPU's dense bf16 peak; then the trie's tokens/s over prefix_merging's (bench_trainer's
+   0.9x target) beside the ratio equal FLOP/s allows.
 
     python scripts/gpu_check.py            # on the GPU machine
     python scripts/gpu_check.py --smoke    # the same code on CPU at toy sizes (the tests run it)
@@ -40,8 +42,9 @@ def tiny_model(path: Path, vocab: int = 64) -> Path:
     return path
 
 
-def qwen3_shaped(path: Path, smoke: bool) -> tuple[Path, int]:
-    """Random weights in Qwen3-1.7B's shape (or a toy one); returns (dir, non-embedding params)."""
+def qwen3_shaped(path: Path, smoke: bool):
+    """Random weights in Qwen3-1.7B's shape (or a toy one); returns (dir, non-embedding
+    params, config)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(0)
@@ -51,12 +54,13 @@ def qwen3_shaped(path: Path, smoke: bool) -> tuple[Path, int]:
     if smoke:
         shape.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    config = Qwen3Config(**shape)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        lm = Qwen3ForCausalLM(Qwen3Config(**shape)).to(torch.bfloat16)
+        lm = Qwen3ForCausalLM(config).to(torch.bfloat16)
     params = sum(p.numel() for n, p in lm.named_parameters() if "embed_tokens" not in n)
     lm.save_pretrained(path)
     del lm
-    return path, params
+    return path, params, config
 
 
 def test_calls(smoke: bool):
@@ -107,8 +111,12 @@ def exactness(smoke: bool, work: Path) -> None:
 def speed(smoke: bool, work: Path) -> None:
     import torch
 
+    from polar_mitm.grpo.config import BUILDERS, TrainConfig
+    from polar_mitm.grpo.flops import model_flops, token_cost
     from polar_mitm.grpo.synthetic import Shape, group
-    model, params = qwen3_shaped(work / "qwen3", smoke)
+    from polar_mitm.grpo.train import Trainer
+    from polar_mitm.grpo.trajectories import build
+    model, params, config = qwen3_shaped(work / "qwen3", smoke)
     shape = Shape(sessions=8, turns=3, shared=300 if smoke else 15000, tool=(100, 1000) if not smoke else (5, 20),
                   response=(50, 300) if not smoke else (3, 12), drifts=0, side_calls=0,
                   vocab=512 if smoke else 151936)
@@ -117,23 +125,30 @@ def speed(smoke: bool, work: Path) -> None:
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
     print(f"\n{name}: Qwen3-1.7B-shaped random model ({params / 1e9:.2f}B non-embedding), "
-          f"{shape.shared}-token shared prefix, {shape.sessions} samples, budget {budget}")
-    print(f"{'builder':14}{'forward tokens':>15}{'seconds':>9}{'tokens/s':>11}{'MFU':>7}")
-    for builder in ("trie", "per_request"):
-        from polar_mitm.grpo.config import TrainConfig
-        from polar_mitm.grpo.train import Trainer
+          f"{shape.shared}-token shared prefix, {shape.sessions} samples x {shape.turns} calls, budget {budget}")
+    print(f"{'builder':16}{'forward tokens':>15}{'model GFLOP':>15}{'seconds':>9}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}")
+    samples = {b: build(calls, b).samples for b in BUILDERS}
+    got = {}
+    for builder in BUILDERS:
         t = Trainer(str(model), TrainConfig(lr=0.0, token_budget=budget, builder=builder, dtype="bf16",
                                             gradient_checkpointing=not smoke))
         t.train_on(calls, tempfile.mkdtemp(prefix="polar-gpu-warm-"))     # compiles flex, warms the allocator
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         m = t.train_on(calls, tempfile.mkdtemp(prefix="polar-gpu-speed-"))["history"][0]
-        flops = 6 * params * m["forward_tokens"]
+        flops = model_flops(config, samples[builder])
+        assert m["forward_tokens"] == sum(len(x) for x in samples[builder]), "the FLOPs must count the trained samples"
+        got[builder] = (m["tokens_per_s"], flops / m["seconds"])
         mfu = f"{flops / m['seconds'] / peak:.1%}" if peak else "-"
-        print(f"{builder:14}{m['forward_tokens']:>15,}{m['seconds']:>9.2f}{m['tokens_per_s']:>11,.0f}{mfu:>7}")
+        print(f"{builder:16}{m['forward_tokens']:>15,}{flops / 1e9:>15,.1f}{m['seconds']:>9.2f}"
+              f"{m['tokens_per_s']:>11,.0f}{flops / m['seconds'] / 1e12:>9.1f}{mfu:>7}")
         del t
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    (tps, fps), (base_tps, base_fps) = got["trie"], got["prefix_merging"]
+    cap = 1 / token_cost(config, samples, "trie", "prefix_merging")
+    print(f"trie / prefix_merging: tokens/s {tps / base_tps:.2f}x (target 0.90x; {cap:.2f}x at equal FLOP/s), "
+          f"model FLOP/s {fps / base_fps:.2f}x")
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The trainer on a bare CUDA machine (torch and transformers, no vLLM, DuckDB or network):
 # CPU float32 against CUDA flex attention (fp32, bf16) on the test groups, then tokens/s and
-# MFU of one fwd+bwd step at a Qwen3-1.7B shape, trie against per_request. See gpu_check.py.
+# MFU of one fwd+bwd step at a Qwen3-1.7B shape, per builder. See gpu_check.py.
 #   bash scripts/gpu_check.sh            (from the repository root)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -16,6 +16,11 @@ def test_the_gpu_check_runs_its_code_at_toy_sizes():
                                                                           "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "the CPU reference ran" in out.stdout
-    lines = {ln.split()[0]: ln.split() for ln in out.stdout.splitlines() if ln.startswith(("trie ", "per_request "))}
-    trie, per_request = (int(lines[b][1].replace(",", "")) for b in ("trie", "per_request"))
-    assert 0 < trie < per_request    # the trie runs the shared prefix once
+    rows = [ln.split() for ln in out.stdout.splitlines()]
+    lines = {r[0]: r for r in rows if len(r) > 1 and r[0] in ("trie", "prefix_merging", "per_request")
+             and r[1].replace(",", "").isdigit()}
+    trie, merged, per_request = (int(lines[b][1].replace(",", "")) for b in ("trie", "prefix_merging", "per_request"))
+    assert 0 < trie < merged < per_request    # the trie runs the shared prefix once
+    flops = {b: float(lines[b][2].replace(",", "")) for b in lines}
+    assert 0 < flops["trie"] < flops["prefix_merging"] < flops["per_request"]
+    assert "trie / prefix_merging: tokens/s" in out.stdout

@@ -44,6 +44,17 @@ def merge(samples: Sequence[Sample]) -> Forest:
     return f
 
 
+def children(end: Sequence[int], node: int, n: int = 0) -> list[int]:
+    """The children of `node` (-1: the roots of a forest of n nodes) in a depth-first
+    layout: the first is the next node, each next one starts where its sibling's subtree ends."""
+    c, stop = node + 1, end[node] if node >= 0 else n
+    out = []
+    while c < stop:
+        out.append(c)
+        c = end[c]
+    return out
+
+
 def subtree_end(parent: Sequence[int]) -> list[int]:
     """Exclusive end of each node's subtree, for a depth-first layout (parent[i] < i)."""
     n = len(parent)
@@ -79,14 +90,12 @@ def plan_rows(f: Forest, budget: int, pack_limit: int | None = None, chains: boo
     if budget < 1:
         raise ValueError("token budget must be positive")
     pack = min(pack_limit or budget, budget)
-    n = len(f.tokens)
-    kids: list[list[int]] = [[] for _ in range(n)]
-    roots: list[int] = []
-    for i, p in enumerate(f.parent):
-        (kids[p] if p >= 0 else roots).append(i)
     end = f.subtree_end
+    # Children are read off the depth-first layout (children(), below) rather than stored:
+    # a list per node costs more in allocation and garbage collection than the plan itself.
+    roots = children(end, -1, len(f.tokens))
     rows: list[Row] = []
-    row_of: dict[int, int] = {}
+    row_of = [-1] * len(f.tokens)
 
     def emit(nodes: list[int], attach: int) -> None:
         parent_row = row_of[attach] if attach >= 0 else -1
@@ -120,17 +129,22 @@ def plan_rows(f: Forest, budget: int, pack_limit: int | None = None, chains: boo
             # The stem: single-child links from r (or, with chains, the heaviest child at
             # each step, its siblings becoming rows of their own under it).
             stem, node = [r], r
-            while len(stem) < budget and kids[node] and (chains or len(kids[node]) == 1):
-                heavy = max(kids[node], key=lambda c: end[c] - c)
-                if chains:
-                    light = [c for c in kids[node] if c != heavy]
-                    if light:
-                        work.append((light, node))
+            while len(stem) < budget and node + 1 < end[node]:
+                if end[node + 1] == end[node]:   # one child: the next node
+                    node += 1
+                    stem.append(node)
+                    continue
+                if not chains:
+                    break
+                kids = children(end, node)
+                heavy = max(kids, key=lambda c: end[c] - c)
+                light = [c for c in kids if c != heavy]
+                work.append((light, node))
                 node = heavy
                 stem.append(node)
             room = pack - len(stem)
             rest = []
-            for c in kids[node]:
+            for c in children(end, node):
                 m = end[c] - c
                 if m <= room and not chains:
                     stem.extend(range(c, end[c]))

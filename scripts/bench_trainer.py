@@ -1,6 +1,7 @@
 """Trajectory builders side by side, in one run: sequences, forward tokens and trained
 tokens at the full size of real harness runs (no model needed), then the wall time of one
-forward+backward epoch on a small random Llama at a reduced scale with the same shape.
+forward+backward epoch on a small random Llama at a reduced scale with the same shape, and
+on the held-out-shaped workload at that scale.
 
     .venv/bin/python scripts/bench_trainer.py [--tasks 2] [--scale 10] [--repeats 2] [--threads 1]
 
@@ -27,6 +28,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
@@ -58,9 +60,15 @@ def make_calls(shape: Shape, tasks: int, seed: int = 0):
     return [c for t in range(tasks) for c in group(f"task{t}", shape, rng)]
 
 
-def held_out_calls(seed: int = 0):
+def held_out_calls(seed: int = 0, scale: int = 1):
+    """scale: token lengths divided by this (prompts, tool outputs, responses)."""
     rng = random.Random(seed)
-    return [c for name, shape in HELD_OUT for c in group(name, shape, rng)]
+    return [c for name, shape in HELD_OUT for c in group(name, scaled(shape, scale) if scale > 1 else shape, rng)]
+
+
+def scaled(shape: Shape, s: int) -> Shape:
+    return replace(shape, shared=shape.shared // s, tool=(shape.tool[0] // s, shape.tool[1] // s),
+                   response=(shape.response[0] // s, shape.response[1] // s), vocab=SMALL_VOCAB)
 
 
 def token_table(calls) -> dict:
@@ -142,6 +150,34 @@ def epoch_seconds(lm, calls, builder: str, budget: int) -> tuple[float, int]:
     return seconds, len(step.runner.rows)
 
 
+def timing_table(lm, calls, budget: int, repeats: int) -> tuple[dict[str, float], float, float]:
+    """Times every builder on the calls (median of `repeats`, interleaved so that machine noise
+    hits every builder alike) and prints the table; returns (median seconds per builder,
+    trie/prefix_merging tokens/s, trie/prefix_merging model FLOP/s)."""
+    times: dict[str, list[float]] = {b: [] for b in ORDER}
+    nrows = {}
+    for _ in range(repeats):
+        for b in ORDER:
+            sec, nrows[b] = epoch_seconds(lm, calls, b, budget)
+            times[b].append(sec)
+    built = {b: build(calls, b) for b in ORDER}
+    tokens = {b: t.stats.as_dict()["forward_tokens"] for b, t in built.items()}
+    flops = {b: model_flops(lm.config, t.samples) for b, t in built.items()}
+    med = {b: statistics.median(t) for b, t in times.items()}
+    tps = {b: tokens[b] / med[b] for b in ORDER}
+    fps = {b: flops[b] / med[b] for b in ORDER}
+    print(f"{'builder':15}{'forward tokens':>16}{'model GFLOP':>13}{'rows':>7}{'seconds':>10}{'vs per_request':>16}"
+          f"{'tokens/s':>10}{'GFLOP/s':>9}")
+    for b in ORDER:
+        print(f"{b:15}{tokens[b]:>16,}{flops[b] / 1e9:>13,.1f}{nrows[b]:>7}{med[b]:>10.2f}"
+              f"{med['per_request'] / med[b]:>15.2f}x{tps[b]:>10,.0f}{fps[b] / 1e9:>9.1f}")
+    ratio, work_ratio = tps["trie"] / tps["prefix_merging"], fps["trie"] / fps["prefix_merging"]
+    cost = token_cost(lm.config, {b: t.samples for b, t in built.items()}, "trie", "prefix_merging")
+    print(f"trie / prefix_merging: tokens/s {ratio:.2f}x, model FLOP/s {work_ratio:.2f}x; a trie token costs "
+          f"{cost:.2f}x a prefix_merging token's FLOPs")
+    return med, ratio, work_ratio
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tasks", type=int, default=2, help="GRPO groups at full size")
@@ -168,35 +204,18 @@ def main() -> int:
     held_built = token_table(held_out)
 
     s = args.scale
-    small = Shape(shared=full.shared // s, tool=(full.tool[0] // s, full.tool[1] // s),
-                  response=(full.response[0] // s, full.response[1] // s), vocab=SMALL_VOCAB)
+    small = scaled(full, s)
     calls = make_calls(small, 1, seed=1)
     print(f"\n== wall time of one fwd+bwd epoch, 1 task at 1/{s} scale (shared {small.shared}, tool {small.tool}, "
           f"response {small.response}); Llama 4x128, vocab {small.vocab}, budget {args.budget} tokens/row, "
           f"{torch.get_num_threads()} thread(s)")
     lm = small_model(small.vocab)
     epoch_seconds(lm, calls[:6], "per_request", args.budget)   # warm-up
-    times: dict[str, list[float]] = {b: [] for b in ORDER}
-    nrows = {}
-    for _ in range(args.repeats):   # interleaved, so machine noise hits every builder alike
-        for b in ORDER:
-            sec, nrows[b] = epoch_seconds(lm, calls, b, args.budget)
-            times[b].append(sec)
-    small_built = {b: build(calls, b) for b in ORDER}
-    small_rows = {b: t.stats.as_dict() for b, t in small_built.items()}
-    flops = {b: model_flops(lm.config, t.samples) for b, t in small_built.items()}
-    med = {b: statistics.median(t) for b, t in times.items()}
-    tps = {b: small_rows[b]["forward_tokens"] / med[b] for b in ORDER}
-    fps = {b: flops[b] / med[b] for b in ORDER}
-    print(f"{'builder':15}{'forward tokens':>16}{'model GFLOP':>13}{'rows':>7}{'seconds':>10}{'vs per_request':>16}"
-          f"{'tokens/s':>10}{'GFLOP/s':>9}")
-    for b in ORDER:
-        print(f"{b:15}{small_rows[b]['forward_tokens']:>16,}{flops[b] / 1e9:>13,.1f}{nrows[b]:>7}{med[b]:>10.2f}"
-              f"{med['per_request'] / med[b]:>15.2f}x{tps[b]:>10,.0f}{fps[b] / 1e9:>9.1f}")
-    ratio, work_ratio = tps["trie"] / tps["prefix_merging"], fps["trie"] / fps["prefix_merging"]
-    cost = token_cost(lm.config, {b: t.samples for b, t in small_built.items()}, "trie", "prefix_merging")
-    print(f"trie / prefix_merging: tokens/s {ratio:.2f}x, model FLOP/s {work_ratio:.2f}x; a trie token costs "
-          f"{cost:.2f}x a prefix_merging token's FLOPs")
+    med, ratio, work_ratio = timing_table(lm, calls, args.budget, args.repeats)
+
+    print(f"\n== the same on the held-out-shaped workload at 1/{s} scale (prompts "
+          + ", ".join(f"{sh.shared // s}" for _, sh in HELD_OUT) + "); for reading beside the above, no target")
+    timing_table(lm, held_out_calls(scale=s), args.budget, args.repeats)
 
     print("\n== the same ratio at real model shapes and full-size contexts, from the FLOP mix")
     ceilings({f"20-turn, {args.tasks} tasks": {b: t.samples for b, t in full_built.items()},

@@ -101,6 +101,26 @@ def test_attention_implementations_and_row_checkpointing_agree():
     assert abs(loss_c - loss_p) <= 1e-12 * abs(loss_p) and rel(g_c, g_p) <= 1e-12
 
 
+def test_a_row_of_several_subtrees_attends_one_subtree_at_a_time():
+    """polar_sdpa runs a packed row's own attention per subtree (causal for a chain, its own
+    tree mask otherwise): the same loss and gradients as one dense mask over the row."""
+    calls = make_calls(drifts=1, retries=1)
+    kinds = set()
+    for budget in (40, 100, 300):
+        loss_s, g_s, _ = step_loss_and_grads(tiny_lm("sdpa"), calls, "trie", budget=budget)
+        loss_p, g_p, step = step_loss_and_grads(tiny_lm("polar_sdpa"), calls, "trie", budget=budget)
+        runner = step.runner
+        for i, row in enumerate(runner.rows):
+            p = runner.batch(i, runner.context_len(i)).segments
+            if p:   # the pieces cover the row, in order
+                assert p[0][0] == 0 and p[-1][1] == len(row) and all(a[1] == b[0] for a, b in zip(p, p[1:]))
+                if len(p) > 1:
+                    kinds |= {("chain" if chain else "tree", runner.context_len(i) > 0) for _, _, chain in p}
+        assert abs(loss_p - loss_s) <= 1e-12 * abs(loss_s) and rel(g_p, g_s) <= 1e-12
+    # pieces of both kinds, under a context and not
+    assert {("chain", True), ("tree", True), ("tree", False)} <= kinds
+
+
 def test_prefix_merging_matches_without_drift_and_the_difference_with_drift_is_measured(capsys):
     lm = tiny_lm()
     clean = make_calls(drifts=0, side_calls=1)

@@ -66,23 +66,25 @@ class TokenLogprobs(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None, ctx: Context | None, pred: torch.Tensor,
-                target_ids: torch.Tensor, keep_kv: bool) -> tuple[torch.Tensor, KV | None]:
+                target_ids: torch.Tensor, keep_kv: bool,
+                segments: list[tuple[int, int, bool]] | None = None) -> tuple[torch.Tensor, KV | None]:
         """attention_mask: with polar_sdpa the row's own [rows, rows] tree mask (None: one
-        chain); otherwise the full [1, 1, rows, ctx + rows] mask."""
+        chain), and segments the subtrees packed in it (RowAttention); otherwise the full
+        [1, 1, rows, ctx + rows] mask."""
         if self.checkpoint_rows and torch.is_grad_enabled():
             out = recompute_in_backward(self._decode, input_ids, position_ids, attention_mask, keep_kv, ctx,
-                                        use_reentrant=False)
+                                        segments, use_reentrant=False)
         else:
-            out = self._decode(input_ids, position_ids, attention_mask, keep_kv, ctx)
+            out = self._decode(input_ids, position_ids, attention_mask, keep_kv, ctx, segments)
         hidden, own = out[0], out[1:]
         kv = [(own[i], own[i + 1]) for i in range(0, len(own), 2)] if own else None
         return self._logprobs(hidden[0, pred], target_ids), kv
 
-    def _decode(self, input_ids, position_ids, attention_mask, keep_kv, ctx: Context | None):
+    def _decode(self, input_ids, position_ids, attention_mask, keep_kv, ctx: Context | None, segments=None):
         decoder = self.lm.get_decoder()
         if self.lm.config._attn_implementation == NAME:
             row = RowAttention(context=ctx.kv if ctx else None, grads=ctx.grads if ctx else None,
-                               tree_mask=attention_mask)
+                               tree_mask=attention_mask, segments=segments)
             # a 4D mask reaches the attention as is: transformers builds none of its own
             mask = attention_mask[None, None] if attention_mask is not None else None
             out = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
@@ -135,6 +137,7 @@ class RowBatch:
     target_ids: torch.Tensor    # the trained tokens
     targets: torch.Tensor       # their indices into the forest's target lists
     chain_after_ctx: bool       # one chain right under its context (causal after the context)
+    segments: list[tuple[int, int, bool]] | None = None   # polar_sdpa: the subtrees packed in the row
 
 
 class PathCache:
@@ -245,12 +248,13 @@ class ForestRunner:
         nodes = row.nodes
         ids = torch.tensor([f.tokens[v] for v in nodes], device=dev)[None]
         pos = torch.tensor([f.depth[v] for v in nodes], device=dev)[None]
-        mask = None
+        mask = segments = None
         chain = _is_chain(f, row)
         if not chain and self.polar:
             g = torch.tensor(nodes, device=dev)
             e = torch.tensor([f.subtree_end[v] for v in nodes], device=dev)
             mask = _tree_mask(g, e)
+            segments = self._segments(rid)
         elif not chain or (ctx_len and not self.polar):
             g = torch.tensor(nodes, device=dev)
             e = torch.tensor([f.subtree_end[v] for v in nodes], device=dev)
@@ -266,7 +270,25 @@ class ForestRunner:
         tids = [f.tokens[f.target_node[t]] for t in ts]
         return RowBatch(ids, pos, mask, torch.tensor(pred, dtype=torch.long, device=dev),
                         torch.tensor(tids, dtype=torch.long, device=dev), torch.tensor(ts, dtype=torch.long),
-                        chain and ctx_len > 0 and self.polar)
+                        chain and ctx_len > 0 and self.polar, segments)
+
+    def _segments(self, rid: int) -> list[tuple[int, int, bool]] | None:
+        """The row's pieces that see nothing of each other, (start, stop, is a chain): a piece
+        starts at each node whose parent is outside the row. None where a node's parent is in
+        the row but in an earlier piece (rows of whole subtrees never have one)."""
+        f, nodes = self.f, self.rows[rid].nodes
+        starts, chain = [], []
+        for i, v in enumerate(nodes):
+            p = f.parent[v]
+            if p < 0 or self.row_of[p] != rid:
+                starts.append(i)
+                chain.append(True)
+            elif self.index_in_row[p] < starts[-1]:
+                return None
+            elif p != nodes[i - 1]:
+                chain[-1] = False
+        ends = starts[1:] + [len(nodes)]
+        return list(zip(starts, ends, chain))
 
     def run(self, policy: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
             ) -> torch.Tensor:
@@ -335,7 +357,7 @@ class ForestRunner:
                           for k, v in cache.context(ctx_len)]
                 ctx = Context(leaves)
         lp, kv = policy(b.input_ids, b.position_ids, b.attention_mask, ctx, b.pred, b.target_ids,
-                        bool(self.rows[rid].children))
+                        bool(self.rows[rid].children), b.segments)
         loss = loss_fn(lp, b.targets) if loss_fn is not None else None
         return lp, kv, loss, leaves, ctx_len, b
 

@@ -124,7 +124,7 @@ def ceilings(workloads: dict[str, dict[str, list]]) -> None:
         c = shape_config(*dims)
         for wname, samples in workloads.items():
             f = {b: model_flops(c, samples[b]) for b in ("prefix_merging", "trie")}
-            cost = token_cost(c, samples, "trie", "prefix_merging")
+            cost = token_cost(f, {b: sum(len(s) for s in samples[b]) for b in f}, "trie", "prefix_merging")
             print(f"{name:15}{wname:>24}{cost:>17.2f}x{1 / cost:>25.2f}x"
                   f"{f['prefix_merging'] / f['trie']:>12.2f}x")
 
@@ -172,7 +172,7 @@ def timing_table(lm, calls, budget: int, repeats: int) -> tuple[dict[str, float]
         print(f"{b:15}{tokens[b]:>16,}{flops[b] / 1e9:>13,.1f}{nrows[b]:>7}{med[b]:>10.2f}"
               f"{med['per_request'] / med[b]:>15.2f}x{tps[b]:>10,.0f}{fps[b] / 1e9:>9.1f}")
     ratio, work_ratio = tps["trie"] / tps["prefix_merging"], fps["trie"] / fps["prefix_merging"]
-    cost = token_cost(lm.config, {b: t.samples for b, t in built.items()}, "trie", "prefix_merging")
+    cost = token_cost(flops, tokens, "trie", "prefix_merging")
     print(f"trie / prefix_merging: tokens/s {ratio:.2f}x, model FLOP/s {work_ratio:.2f}x; a trie token costs "
           f"{cost:.2f}x a prefix_merging token's FLOPs")
     return med, ratio, work_ratio

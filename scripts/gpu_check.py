@@ -128,7 +128,7 @@ def speed(smoke: bool, work: Path) -> None:
           f"{shape.shared}-token shared prefix, {shape.sessions} samples x {shape.turns} calls, budget {budget}")
     print(f"{'builder':16}{'forward tokens':>15}{'model GFLOP':>15}{'seconds':>9}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}")
     samples = {b: build(calls, b).samples for b in BUILDERS}
-    got = {}
+    got, flops_of = {}, {}
     for builder in BUILDERS:
         t = Trainer(str(model), TrainConfig(lr=0.0, token_budget=budget, builder=builder, dtype="bf16",
                                             gradient_checkpointing=not smoke))
@@ -136,7 +136,7 @@ def speed(smoke: bool, work: Path) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         m = t.train_on(calls, tempfile.mkdtemp(prefix="polar-gpu-speed-"))["history"][0]
-        flops = model_flops(config, samples[builder])
+        flops = flops_of[builder] = model_flops(config, samples[builder])
         assert m["forward_tokens"] == sum(len(x) for x in samples[builder]), "the FLOPs must count the trained samples"
         got[builder] = (m["tokens_per_s"], flops / m["seconds"])
         mfu = f"{flops / m['seconds'] / peak:.1%}" if peak else "-"
@@ -146,7 +146,7 @@ def speed(smoke: bool, work: Path) -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     (tps, fps), (base_tps, base_fps) = got["trie"], got["prefix_merging"]
-    cap = 1 / token_cost(config, samples, "trie", "prefix_merging")
+    cap = 1 / token_cost(flops_of, {b: sum(len(x) for x in s) for b, s in samples.items()}, "trie", "prefix_merging")
     print(f"trie / prefix_merging: tokens/s {tps / base_tps:.2f}x (target 0.90x; {cap:.2f}x at equal FLOP/s), "
           f"model FLOP/s {fps / base_fps:.2f}x")
 

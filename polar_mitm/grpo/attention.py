@@ -3,11 +3,11 @@ computed, read in place from the path cache, policy.py) runs unmasked and the ro
 tokens causally (a chain) or under the row's tree mask, each in the fused CPU kernel,
 merged by their log-sum-exps. A row packed from several subtrees runs its own part a
 subtree at a time (causally where the subtree is a chain): a dense mask over the whole row
-would compute every (query, key) pair across subtrees only to hide it. Backward calls each part's fused backward with the merged
-output and log-sum-exp, which gives exact gradients (the ring-attention identity); the
-context's gradients are added into the path cache's gradient buffer, not returned, so
-no row ever holds a copy of its context. The kernel takes grouped-query heads as they
-are: nothing is expanded. Calls without a row (or off CPU) go to plain SDPA."""
+would compute every (query, key) pair across subtrees only to hide it. Backward calls each
+part's fused backward with the merged output and log-sum-exp, which gives exact gradients
+(the ring-attention identity); the context's gradients are added into the path cache's
+gradient buffer, not returned, so no row ever holds a copy of its context. The kernel takes
+grouped-query heads as they are: nothing is expanded. Calls without a row (or off CPU) go to plain SDPA."""
 
 from __future__ import annotations
 

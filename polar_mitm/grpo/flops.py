@@ -4,7 +4,7 @@ builders' tokens/s compare only with their FLOPs beside them. No torch here."""
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 from .trajectories import Sample
 
@@ -34,8 +34,8 @@ def model_flops(c: ModelShape, samples: Sequence[Sample]) -> float:
     return 2 * 3 * macs
 
 
-def token_cost(c: ModelShape, samples: dict[str, Sequence[Sample]], builder: str, baseline: str) -> float:
-    """What a forward token of `builder` costs in FLOPs relative to one of `baseline`: at
-    equal FLOP/s, builder's tokens/s is 1/this of baseline's."""
-    per_token = {b: model_flops(c, samples[b]) / max(sum(len(s) for s in samples[b]), 1) for b in (builder, baseline)}
-    return per_token[builder] / per_token[baseline]
+def token_cost(flops: Mapping[str, float], tokens: Mapping[str, int], builder: str, baseline: str) -> float:
+    """What a forward token of `builder` costs in FLOPs relative to one of `baseline`, from
+    each builder's model_flops and forward tokens: at equal FLOP/s, builder's tokens/s is
+    1/this of baseline's."""
+    return (flops[builder] / max(tokens[builder], 1)) / (flops[baseline] / max(tokens[baseline], 1))

@@ -250,15 +250,14 @@ class ForestRunner:
         pos = torch.tensor([f.depth[v] for v in nodes], device=dev)[None]
         mask = segments = None
         chain = _is_chain(f, row)
-        if not chain and self.polar:
+        # polar_sdpa reads a chain's context without a mask; the others mask every row with one
+        if not chain or (ctx_len and not self.polar):
             g = torch.tensor(nodes, device=dev)
             e = torch.tensor([f.subtree_end[v] for v in nodes], device=dev)
-            mask = _tree_mask(g, e)
-            segments = self._segments(rid)
-        elif not chain or (ctx_len and not self.polar):
-            g = torch.tensor(nodes, device=dev)
-            e = torch.tensor([f.subtree_end[v] for v in nodes], device=dev)
-            if self.mask_kind == "flex":
+            if self.polar:
+                mask = _tree_mask(g, e)
+                segments = self._segments(rid)
+            elif self.mask_kind == "flex":
                 mask = flex_mask(g, e, ctx_len, dev)
             else:
                 mask = dense_mask(g, e, ctx_len)

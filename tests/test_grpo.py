@@ -166,6 +166,40 @@ def test_flex_block_mask_matches_the_dense_mask():
     assert checked > 0
 
 
+def test_flex_block_mask_has_the_tiles_create_block_mask_gives():
+    """flex_mask counts each tile's visible pairs from intervals instead of evaluating the
+    whole rows x (context + rows) grid: the same full, partial and skipped tiles as torch's
+    create_block_mask, over row and context lengths on and off the 128 tile, rows that are
+    whole forests and rows that are any depth-first subset of one (stems, packed subtrees)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from polar_mitm.grpo.packing import subtree_end
+    from polar_mitm.grpo.policy import flex_mask
+
+    rng = random.Random(3)
+    fields = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+              "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"]
+    for trial in range(30):
+        size = rng.choice([1, 40, 127, 128, 129, 300, 700])
+        parent = [-1] + [rng.choice([i - 1, i - 1, rng.randrange(i), -1]) for i in range(1, size)]
+        end = subtree_end(parent)
+        nodes = range(size) if trial % 2 else sorted(rng.sample(range(size), max(1, size * 2 // 3)))
+        g = torch.tensor(list(nodes))
+        e = torch.tensor([end[v] for v in nodes])
+        ctx = rng.choice([0, 1, 100, 128, 256, 300])
+
+        def mask_mod(b, h, q, kv):
+            k = (kv - ctx).clamp(min=0)
+            return (kv < ctx) | ((g[k] <= g[q]) & (g[q] < e[k]))
+
+        want = create_block_mask(mask_mod, 1, None, len(g), ctx + len(g), device="cpu")
+        got = flex_mask(g, e, ctx, "cpu")
+        assert got.seq_lengths == want.seq_lengths
+        for name in fields:
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.shape == b.shape and torch.equal(a.long(), b.long()), (trial, len(g), ctx, name)
+
+
 # ---- loss terms ------------------------------------------------------------------------------
 
 def inputs(lp, old, roll, adv, w=None, ref=None):

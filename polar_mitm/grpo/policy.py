@@ -462,15 +462,44 @@ def dense_mask(g: torch.Tensor, e: torch.Tensor, ctx_len: int) -> torch.Tensor:
     return torch.cat([local.new_ones(len(g), ctx_len), local], 1)[None, None]
 
 
+FLEX_BLOCK = 128   # flex attention's default tile, queries and keys alike
+
+
 def flex_mask(g: torch.Tensor, e: torch.Tensor, ctx_len: int, dev):
-    """The same visibility as a flex-attention BlockMask: no [T x T] tensor, and blocks
-    that see nothing are skipped."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    """The same visibility as a flex-attention BlockMask, built a block at a time: in the
+    row's depth-first order own key k sees exactly the queries [k, first q with g[q] >= e[k]),
+    and every context key sees every query, so each tile's count of visible pairs comes from
+    intervals. create_block_mask would evaluate all rows x (context + rows) pairs, a grid
+    that grows with the prefix; this takes [row blocks x (row + one block)] integers. The
+    tiles are the ones create_block_mask gives (full, partial or skipped)."""
+    from torch.nn.attention.flex_attention import BlockMask
 
-    n = g.shape[0]
+    n, b = g.shape[0], FLEX_BLOCK
+    kv_len = ctx_len + n
 
-    def mask_mod(b, h, q, kv):
+    def mask_mod(b_, h, q, kv):
         k = (kv - ctx_len).clamp(min=0)
         return (kv < ctx_len) | ((g[k] <= g[q]) & (g[q] < e[k]))
 
-    return create_block_mask(mask_mod, 1, None, n, ctx_len + n, device=dev)
+    q0 = torch.arange(0, n, b, device=dev)
+    queries = (q0 + b).clamp(max=n) - q0                       # real queries per row block
+    hi = torch.searchsorted(g, e)                               # own key k sees queries [k, hi[k])
+    k = torch.arange(n, device=dev)
+    own = (torch.minimum(hi[None], (q0 + queries)[:, None]) - torch.maximum(k[None], q0[:, None])).clamp(min=0)
+    ctx_blocks, tail = divmod(ctx_len, b)                       # whole context blocks, then a mixed one
+    per_key = torch.cat([queries[:, None].expand(-1, tail), own], 1)
+    kv_blocks = -(-kv_len // b)
+    per_key = torch.nn.functional.pad(per_key, (0, (kv_blocks - ctx_blocks) * b - per_key.shape[1]))
+    pairs = torch.cat([(queries * b)[:, None].expand(-1, ctx_blocks),
+                       per_key.view(len(q0), -1, b).sum(-1)], 1)   # visible pairs per tile
+    full = pairs == b * b
+    partial = (pairs > 0) & ~full
+    return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(full), BLOCK_SIZE=b, mask_mod=mask_mod,
+                                    seq_lengths=(n, kv_len))
+
+
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[row blocks, key blocks] bool -> per row block, how many tiles and their key blocks
+    (ascending, first), as BlockMask stores them for batch 1 and one head."""
+    t = tiles.to(torch.int32)[None, None]
+    return t.sum(-1, dtype=torch.int32), torch.argsort(t, dim=-1, descending=True, stable=True).to(torch.int32)

@@ -18,6 +18,7 @@ no DuckDB, no network): run by scripts/gpu_check.sh.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -128,23 +130,29 @@ def speed(smoke: bool, work: Path) -> None:
           f"{shape.shared}-token shared prefix, {shape.sessions} samples x {shape.turns} calls, budget {budget}")
     print(f"{'builder':16}{'forward tokens':>15}{'model GFLOP':>15}{'seconds':>9}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}")
     samples = {b: build(calls, b).samples for b in BUILDERS}
-    got, flops_of = {}, {}
+    flops_of = {b: model_flops(config, samples[b]) for b in BUILDERS}
+    got = {}
     for builder in BUILDERS:
-        t = Trainer(str(model), TrainConfig(lr=0.0, token_budget=budget, builder=builder, dtype="bf16",
-                                            gradient_checkpointing=not smoke))
-        t.train_on(calls, tempfile.mkdtemp(prefix="polar-gpu-warm-"))     # compiles flex, warms the allocator
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        m = t.train_on(calls, tempfile.mkdtemp(prefix="polar-gpu-speed-"))["history"][0]
-        flops = flops_of[builder] = model_flops(config, samples[builder])
-        assert m["forward_tokens"] == sum(len(x) for x in samples[builder]), "the FLOPs must count the trained samples"
-        got[builder] = (m["tokens_per_s"], flops / m["seconds"])
-        mfu = f"{flops / m['seconds'] / peak:.1%}" if peak else "-"
-        print(f"{builder:16}{m['forward_tokens']:>15,}{flops / 1e9:>15,.1f}{m['seconds']:>9.2f}"
-              f"{m['tokens_per_s']:>11,.0f}{flops / m['seconds'] / 1e12:>9.1f}{mfu:>7}")
-        del t
+        # one builder failing (out of memory, say) still leaves the others' figures
+        with part(f"speed of {builder}"):
+            t = Trainer(str(model), TrainConfig(lr=0.0, token_budget=budget, builder=builder, dtype="bf16",
+                                                gradient_checkpointing=not smoke))
+            t.train_on(calls, tempfile.mkdtemp(prefix="polar-gpu-warm-"))     # compiles flex, warms the allocator
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            m = t.train_on(calls, tempfile.mkdtemp(prefix="polar-gpu-speed-"))["history"][0]
+            del t
+            flops = flops_of[builder]
+            assert m["forward_tokens"] == sum(len(x) for x in samples[builder]), \
+                "the FLOPs must count the trained samples"
+            got[builder] = (m["tokens_per_s"], flops / m["seconds"])
+            mfu = f"{flops / m['seconds'] / peak:.1%}" if peak else "-"
+            print(f"{builder:16}{m['forward_tokens']:>15,}{flops / 1e9:>15,.1f}{m['seconds']:>9.2f}"
+                  f"{m['tokens_per_s']:>11,.0f}{flops / m['seconds'] / 1e12:>9.1f}{mfu:>7}")
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    if "trie" not in got or "prefix_merging" not in got:
+        return
     (tps, fps), (base_tps, base_fps) = got["trie"], got["prefix_merging"]
     cap = 1 / token_cost(flops_of, {b: sum(len(x) for x in s) for b, s in samples.items()}, "trie", "prefix_merging")
     print(f"trie / prefix_merging: tokens/s {tps / base_tps:.2f}x (target 0.90x; {cap:.2f}x at equal FLOP/s), "
@@ -166,10 +174,26 @@ def main() -> int:
                       "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}))
     with tempfile.TemporaryDirectory(prefix="polar-gpu-check-") as d:
         t0 = time.monotonic()
-        exactness(args.smoke, Path(d))
-        speed(args.smoke, Path(d))
-        print(f"\ngpu_check done in {time.monotonic() - t0:.0f}s")
-    return 0
+        with part("exactness"):
+            exactness(args.smoke, Path(d))
+        with part("speed"):
+            speed(args.smoke, Path(d))
+        print(f"\ngpu_check done in {time.monotonic() - t0:.0f}s" + (f"; failed: {', '.join(FAILED)}" if FAILED else ""))
+    return 1 if FAILED else 0
+
+
+FAILED: list[str] = []
+
+
+@contextlib.contextmanager
+def part(name: str):
+    """Runs one part of the check; a failure is printed with its traceback and the check
+    goes on: a GPU session is short, and every figure it can still give counts."""
+    try:
+        yield
+    except Exception:
+        FAILED.append(name)
+        print(f"\n{name} FAILED:\n{traceback.format_exc()}", flush=True)
 
 
 if __name__ == "__main__":

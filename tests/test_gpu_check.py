@@ -24,3 +24,20 @@ def test_the_gpu_check_runs_its_code_at_toy_sizes():
     flops = {b: float(lines[b][2].replace(",", "")) for b in lines}
     assert 0 < flops["trie"] < flops["prefix_merging"] < flops["per_request"]
     assert "trie / prefix_merging: tokens/s" in out.stdout
+
+
+def test_a_failing_part_of_the_gpu_check_is_reported_and_the_rest_still_runs(capsys, monkeypatch):
+    """One device session is short: an out-of-memory in one builder must not cost the others' figures."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import gpu_check
+
+    monkeypatch.setattr(gpu_check, "FAILED", [])
+    ran = []
+    for name in ("a", "b", "c"):
+        with gpu_check.part(name):
+            if name == "b":
+                raise RuntimeError("CUDA out of memory")
+            ran.append(name)
+    assert ran == ["a", "c"] and gpu_check.FAILED == ["b"]
+    out = capsys.readouterr().out
+    assert "b FAILED" in out and "CUDA out of memory" in out

@@ -132,16 +132,21 @@ def speed(smoke: bool, work: Path) -> None:
     samples = {b: build(calls, b).samples for b in BUILDERS}
     flops_of = {b: model_flops(config, samples[b]) for b in BUILDERS}
     got = {}
+
+    def timed_step(builder: str) -> dict:
+        """The second of two steps (the first compiles flex and warms the allocator); the
+        trainer dies with this frame, also when the step fails."""
+        t = Trainer(str(model), TrainConfig(lr=0.0, token_budget=budget, builder=builder, dtype="bf16",
+                                            gradient_checkpointing=not smoke))
+        t.train_on(calls, tempfile.mkdtemp(prefix="polar-gpu-warm-"))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return t.train_on(calls, tempfile.mkdtemp(prefix="polar-gpu-speed-"))["history"][0]
+
     for builder in BUILDERS:
         # one builder failing (out of memory, say) still leaves the others' figures
         with part(f"speed of {builder}"):
-            t = Trainer(str(model), TrainConfig(lr=0.0, token_budget=budget, builder=builder, dtype="bf16",
-                                                gradient_checkpointing=not smoke))
-            t.train_on(calls, tempfile.mkdtemp(prefix="polar-gpu-warm-"))     # compiles flex, warms the allocator
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            m = t.train_on(calls, tempfile.mkdtemp(prefix="polar-gpu-speed-"))["history"][0]
-            del t
+            m = timed_step(builder)
             flops = flops_of[builder]
             assert m["forward_tokens"] == sum(len(x) for x in samples[builder]), \
                 "the FLOPs must count the trained samples"

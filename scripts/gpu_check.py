@@ -131,6 +131,7 @@ def speed(smoke: bool, work: Path) -> None:
     print(f"{'builder':16}{'forward tokens':>15}{'model GFLOP':>15}{'seconds':>9}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}")
     samples = {b: build(calls, b).samples for b in BUILDERS}
     flops_of = {b: model_flops(config, samples[b]) for b in BUILDERS}
+    tokens_of = {b: sum(len(x) for x in samples[b]) for b in BUILDERS}
     got = {}
 
     def timed_step(builder: str) -> dict:
@@ -148,8 +149,7 @@ def speed(smoke: bool, work: Path) -> None:
         with part(f"speed of {builder}"):
             m = timed_step(builder)
             flops = flops_of[builder]
-            assert m["forward_tokens"] == sum(len(x) for x in samples[builder]), \
-                "the FLOPs must count the trained samples"
+            assert m["forward_tokens"] == tokens_of[builder], "the FLOPs must count the trained samples"
             got[builder] = (m["tokens_per_s"], flops / m["seconds"])
             mfu = f"{flops / m['seconds'] / peak:.1%}" if peak else "-"
             print(f"{builder:16}{m['forward_tokens']:>15,}{flops / 1e9:>15,.1f}{m['seconds']:>9.2f}"
@@ -159,7 +159,7 @@ def speed(smoke: bool, work: Path) -> None:
     if "trie" not in got or "prefix_merging" not in got:
         return
     (tps, fps), (base_tps, base_fps) = got["trie"], got["prefix_merging"]
-    cap = 1 / token_cost(flops_of, {b: sum(len(x) for x in s) for b, s in samples.items()}, "trie", "prefix_merging")
+    cap = 1 / token_cost(flops_of, tokens_of, "trie", "prefix_merging")
     print(f"trie / prefix_merging: tokens/s {tps / base_tps:.2f}x (target 0.90x; {cap:.2f}x at equal FLOP/s), "
           f"model FLOP/s {fps / base_fps:.2f}x")
 

@@ -8,8 +8,12 @@ no DuckDB, no network): run by scripts/gpu_check.sh.
    16/8, vocabulary 151,936) on a 15k-token shared prefix with 8 samples of 3 calls, for
    each builder (trie, prefix_merging, per_request): forward tokens, tokens/s, model FLOP/s
    (weights, attention pairs and lm_head: polar_mitm.grpo.flops) and its utilization of the
-   GPU's dense bf16 peak; then the trie's tokens/s over prefix_merging's (bench_trainer's
-   0.9x target) beside the ratio equal FLOP/s allows.
+   GPU's dense bf16 peak, and the step's peak GPU memory; then the trie's tokens/s over
+   prefix_merging's (bench_trainer's 0.9x target) beside the ratio equal FLOP/s allows.
+3. Memory: the step's peak GPU memory (over what the model, its gradients and optimizer
+   state hold) at budgets 16384, 4096 and 1024 on a 15k- and a 60k-token shared prefix,
+   the trie on the Qwen3-1.7B shape: issue 21's rule, measured on CPU by
+   scripts/bench_memory.py, that it does not grow as the budget shrinks.
 
     python scripts/gpu_check.py            # on the GPU machine
     python scripts/gpu_check.py --smoke    # the same code on CPU at toy sizes (the tests run it)
@@ -44,9 +48,14 @@ def tiny_model(path: Path, vocab: int = 64) -> Path:
     return path
 
 
+_MODELS: dict[Path, tuple] = {}
+
+
 def qwen3_shaped(path: Path, smoke: bool):
-    """Random weights in Qwen3-1.7B's shape (or a toy one); returns (dir, non-embedding
-    params, config)."""
+    """Random weights in Qwen3-1.7B's shape (or a toy one), saved once per path; returns
+    (dir, non-embedding params, config)."""
+    if path in _MODELS:
+        return _MODELS[path]
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(0)
@@ -62,7 +71,8 @@ def qwen3_shaped(path: Path, smoke: bool):
     params = sum(p.numel() for n, p in lm.named_parameters() if "embed_tokens" not in n)
     lm.save_pretrained(path)
     del lm
-    return path, params, config
+    _MODELS[path] = path, params, config
+    return _MODELS[path]
 
 
 def test_calls(smoke: bool):
@@ -116,7 +126,6 @@ def speed(smoke: bool, work: Path) -> None:
     from polar_mitm.grpo.config import BUILDERS, TrainConfig
     from polar_mitm.grpo.flops import model_flops, token_cost
     from polar_mitm.grpo.synthetic import Shape, group
-    from polar_mitm.grpo.train import Trainer
     from polar_mitm.grpo.trajectories import build
     model, params, config = qwen3_shaped(work / "qwen3", smoke)
     shape = Shape(sessions=8, turns=3, shared=300 if smoke else 15000, tool=(100, 1000) if not smoke else (5, 20),
@@ -128,32 +137,24 @@ def speed(smoke: bool, work: Path) -> None:
     peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
     print(f"\n{name}: Qwen3-1.7B-shaped random model ({params / 1e9:.2f}B non-embedding), "
           f"{shape.shared}-token shared prefix, {shape.sessions} samples x {shape.turns} calls, budget {budget}")
-    print(f"{'builder':16}{'forward tokens':>15}{'model GFLOP':>15}{'seconds':>9}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}")
+    print(f"{'builder':16}{'forward tokens':>15}{'model GFLOP':>15}{'seconds':>9}{'tokens/s':>11}{'TFLOP/s':>9}"
+          f"{'MFU':>7}{'peak GB':>9}")
     samples = {b: build(calls, b).samples for b in BUILDERS}
     flops_of = {b: model_flops(config, samples[b]) for b in BUILDERS}
     tokens_of = {b: sum(len(x) for x in samples[b]) for b in BUILDERS}
     got = {}
 
-    def timed_step(builder: str) -> dict:
-        """The second of two steps (the first compiles flex and warms the allocator); the
-        trainer dies with this frame, also when the step fails."""
-        t = Trainer(str(model), TrainConfig(lr=0.0, token_budget=budget, builder=builder, dtype="bf16",
-                                            gradient_checkpointing=not smoke))
-        t.train_on(calls, tempfile.mkdtemp(prefix="polar-gpu-warm-"))
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return t.train_on(calls, tempfile.mkdtemp(prefix="polar-gpu-speed-"))["history"][0]
-
     for builder in BUILDERS:
         # one builder failing (out of memory, say) still leaves the others' figures
         with part(f"speed of {builder}"):
-            m = timed_step(builder)
+            m, gb = second_step(model, calls, TrainConfig(lr=0.0, token_budget=budget, builder=builder,
+                                                          dtype="bf16", gradient_checkpointing=not smoke))
             flops = flops_of[builder]
             assert m["forward_tokens"] == tokens_of[builder], "the FLOPs must count the trained samples"
             got[builder] = (m["tokens_per_s"], flops / m["seconds"])
             mfu = f"{flops / m['seconds'] / peak:.1%}" if peak else "-"
             print(f"{builder:16}{m['forward_tokens']:>15,}{flops / 1e9:>15,.1f}{m['seconds']:>9.2f}"
-                  f"{m['tokens_per_s']:>11,.0f}{flops / m['seconds'] / 1e12:>9.1f}{mfu:>7}")
+                  f"{m['tokens_per_s']:>11,.0f}{flops / m['seconds'] / 1e12:>9.1f}{mfu:>7}{_gb(gb):>9}")
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     if "trie" not in got or "prefix_merging" not in got:
@@ -162,6 +163,57 @@ def speed(smoke: bool, work: Path) -> None:
     cap = 1 / token_cost(flops_of, tokens_of, "trie", "prefix_merging")
     print(f"trie / prefix_merging: tokens/s {tps / base_tps:.2f}x (target 0.90x; {cap:.2f}x at equal FLOP/s), "
           f"model FLOP/s {fps / base_fps:.2f}x")
+
+
+def second_step(model: Path, calls, cfg) -> tuple[dict, float | None]:
+    """The metrics of the second of two steps (the first compiles flex and warms the
+    allocator) and its peak GPU memory over what was allocated before it (the model, its
+    gradients and optimizer state), in GB (None off CUDA); the trainer dies with this
+    frame, also when a step fails."""
+    import torch
+
+    from polar_mitm.grpo.train import Trainer
+    t = Trainer(str(model), cfg)
+    t.train_on(calls, tempfile.mkdtemp(prefix="polar-gpu-warm-"))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    m = t.train_on(calls, tempfile.mkdtemp(prefix="polar-gpu-step-"))["history"][0]
+    return m, (torch.cuda.max_memory_allocated() - before) / 1e9 if cuda else None
+
+
+def _gb(x: float | None) -> str:
+    return f"{x:.2f}" if x is not None else "-"
+
+
+MEMORY = [(15000, (16384, 4096, 1024)), (60000, (16384, 4096, 1024))]   # prefix tokens, budgets
+
+
+def memory(smoke: bool, work: Path) -> None:
+    import torch
+
+    from polar_mitm.grpo.config import TrainConfig
+    from polar_mitm.grpo.synthetic import Shape, group
+    model, _, _ = qwen3_shaped(work / "qwen3", smoke)
+    configs = [(300, (512, 128, 32))] if smoke else MEMORY
+    print("\npeak GPU memory of one trie step (GB over the model, gradients and optimizer state), "
+          "4 samples x 3 calls under one shared prefix, by token budget")
+    for prefix, budgets in configs:
+        shape = Shape(sessions=4, turns=3, shared=prefix, tool=(5, 20) if smoke else (100, 1000),
+                      response=(3, 12) if smoke else (50, 300), vocab=512 if smoke else 151936)
+        calls = group("task", shape, random.Random(0), reward=lambda i: float(i % 2))
+        got: dict[int, float | None] = {}
+        for budget in budgets:
+            with part(f"memory at a {prefix}-token prefix, budget {budget}"):
+                _, got[budget] = second_step(model, calls, TrainConfig(lr=0.0, token_budget=budget, dtype="bf16"))
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        peaks = [got[b] for b in budgets if got.get(b) is not None]
+        holds = len(peaks) == len(budgets) and all(b <= a for a, b in zip(peaks, peaks[1:])) if peaks else None
+        print(f"prefix {prefix:>6}: " + ", ".join(f"budget {b} {_gb(got.get(b))}" for b in budgets)
+              + ("" if holds is None else f"; non-increasing as the budget shrinks: {'yes' if holds else 'NO'}"))
 
 
 def main() -> int:
@@ -183,6 +235,8 @@ def main() -> int:
             exactness(args.smoke, Path(d))
         with part("speed"):
             speed(args.smoke, Path(d))
+        with part("memory"):
+            memory(args.smoke, Path(d))
         print(f"\ngpu_check done in {time.monotonic() - t0:.0f}s" + (f"; failed: {', '.join(FAILED)}" if FAILED else ""))
     return 1 if FAILED else 0
 

@@ -24,6 +24,8 @@ def test_the_gpu_check_runs_its_code_at_toy_sizes():
     flops = {b: float(lines[b][2].replace(",", "")) for b in lines}
     assert 0 < flops["trie"] < flops["prefix_merging"] < flops["per_request"]
     assert "trie / prefix_merging: tokens/s" in out.stdout
+    memory = [ln for ln in out.stdout.splitlines() if ln.startswith("prefix ")]
+    assert memory == ["prefix    300: budget 512 -, budget 128 -, budget 32 -"]   # every budget ran (no GPU: no figure)
 
 
 def test_a_failing_part_of_the_gpu_check_is_reported_and_the_rest_still_runs(capsys, monkeypatch):

@@ -198,8 +198,8 @@ def memory(smoke: bool, work: Path) -> None:
     from polar_mitm.grpo.synthetic import Shape, group
     model, _, _ = qwen3_shaped(work / "qwen3", smoke)
     configs = [(300, (512, 128, 32))] if smoke else MEMORY
-    print("\npeak GPU memory of one trie step (GB over the model, gradients and optimizer state), "
-          "4 samples x 3 calls under one shared prefix, by token budget")
+    print("\npeak GPU memory of one trie step (GB over the model, gradients and optimizer state; rows "
+          "checkpointed as in the speed part), 4 samples x 3 calls under one shared prefix, by token budget")
     for prefix, budgets in configs:
         shape = Shape(sessions=4, turns=3, shared=prefix, tool=(5, 20) if smoke else (100, 1000),
                       response=(3, 12) if smoke else (50, 300), vocab=512 if smoke else 151936)
@@ -207,7 +207,8 @@ def memory(smoke: bool, work: Path) -> None:
         got: dict[int, float | None] = {}
         for budget in budgets:
             with part(f"memory at a {prefix}-token prefix, budget {budget}"):
-                _, got[budget] = second_step(model, calls, TrainConfig(lr=0.0, token_budget=budget, dtype="bf16"))
+                _, got[budget] = second_step(model, calls, TrainConfig(lr=0.0, token_budget=budget, dtype="bf16",
+                                                                       gradient_checkpointing=not smoke))
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         peaks = [got[b] for b in budgets if got.get(b) is not None]

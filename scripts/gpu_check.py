@@ -211,10 +211,17 @@ def memory(smoke: bool, work: Path) -> None:
                                                                        gradient_checkpointing=not smoke))
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        peaks = [got[b] for b in budgets if got.get(b) is not None]
-        holds = len(peaks) == len(budgets) and all(b <= a for a, b in zip(peaks, peaks[1:])) if peaks else None
-        print(f"prefix {prefix:>6}: " + ", ".join(f"budget {b} {_gb(got.get(b))}" for b in budgets)
-              + ("" if holds is None else f"; non-increasing as the budget shrinks: {'yes' if holds else 'NO'}"))
+        print(budget_line(prefix, budgets, [got.get(b) for b in budgets]))
+
+
+def budget_line(prefix: int, budgets, peaks: list[float | None]) -> str:
+    """One prefix's peaks by budget (largest budget first), with the verdict only where
+    every budget gave a figure (a failed one is listed at the end of the check)."""
+    line = f"prefix {prefix:>6}: " + ", ".join(f"budget {b} {_gb(x)}" for b, x in zip(budgets, peaks))
+    if any(x is None for x in peaks):
+        return line
+    holds = all(b <= a for a, b in zip(peaks, peaks[1:]))   # type: ignore[operator]
+    return line + f"; non-increasing as the budget shrinks: {'yes' if holds else 'NO'}"
 
 
 def main() -> int:

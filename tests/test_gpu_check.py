@@ -43,3 +43,15 @@ def test_a_failing_part_of_the_gpu_check_is_reported_and_the_rest_still_runs(cap
     assert ran == ["a", "c"] and gpu_check.FAILED == ["b"]
     out = capsys.readouterr().out
     assert "b FAILED" in out and "CUDA out of memory" in out
+
+
+def test_the_memory_verdict_needs_every_budgets_figure(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import gpu_check
+
+    assert gpu_check.budget_line(15000, (16384, 4096, 1024), [9.5, 4.25, 4.25]) == \
+        "prefix  15000: budget 16384 9.50, budget 4096 4.25, budget 1024 4.25; non-increasing as the budget shrinks: yes"
+    assert gpu_check.budget_line(15000, (16384, 4096, 1024), [9.5, 4.25, 6.0]).endswith("shrinks: NO")
+    # an out-of-memory at one budget is no verdict either way
+    assert gpu_check.budget_line(60000, (16384, 4096, 1024), [None, 4.0, 3.0]) == \
+        "prefix  60000: budget 16384 -, budget 4096 4.00, budget 1024 3.00"

@@ -362,12 +362,18 @@ def _train(trainer, calls, rewards: dict, out: Path, it: int, iterations: int) -
 
 
 def _prune(state: LoopState, keep: int) -> None:
-    """Keep the last `keep` checkpoints (and the one served, always)."""
+    """Keep the last `keep` checkpoints (and the one served, always), and of the trainer
+    states only the one loop.json names: a resume reads no other, and each is AdamW's two
+    moments, twice the fp32 weights (~1 GB for the default model). Runs after state.save."""
     while len(state.checkpoints) > max(keep, 1):
         old = state.checkpoints.pop(0)
         if old != state.checkpoint:
             shutil.rmtree(old, ignore_errors=True)
-            Path(old.replace("/checkpoints/", "/trainer/") + ".pt").unlink(missing_ok=True)
+    if state.trainer_state:
+        current = Path(state.trainer_state)
+        for p in current.parent.iterdir():   # older versions, and a save a kill cut short
+            if p.name != current.name:
+                p.unlink(missing_ok=True)
 
 
 def _mean(xs) -> float | None:

@@ -89,7 +89,8 @@ def one_step(model: str, calls, dtype: str, budget: int) -> dict:
     from polar_mitm.grpo.config import TrainConfig
     from polar_mitm.grpo.train import Trainer
     t = Trainer(model, TrainConfig(lr=0.0, token_budget=budget, max_grad_norm=1e30, dtype=dtype))
-    summary = t.train_on(calls, tempfile.mkdtemp(prefix="polar-gpu-check-"))
+    with tempfile.TemporaryDirectory(prefix="polar-gpu-check-") as scratch:
+        summary = t.train_on(calls, scratch)
     grads = torch.cat([p.grad.float().flatten().cpu() for p in t.policy.parameters() if p.grad is not None])
     m = summary["history"][0]
     return {"device": str(t.device), "attention": t.attention, "loss": m["loss"],
@@ -174,13 +175,14 @@ def second_step(model: Path, calls, cfg) -> tuple[dict, float | None]:
 
     from polar_mitm.grpo.train import Trainer
     t = Trainer(str(model), cfg)
-    t.train_on(calls, tempfile.mkdtemp(prefix="polar-gpu-warm-"))
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    m = t.train_on(calls, tempfile.mkdtemp(prefix="polar-gpu-step-"))["history"][0]
+    with tempfile.TemporaryDirectory(prefix="polar-gpu-step-") as scratch:
+        t.train_on(calls, scratch)
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        m = t.train_on(calls, scratch)["history"][0]
     return m, (torch.cuda.max_memory_allocated() - before) / 1e9 if cuda else None
 
 

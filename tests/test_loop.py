@@ -67,3 +67,6 @@ def test_two_iterations_of_the_loop_on_real_vllm_and_pi(vllm_backend, tmp_path):
     _, rows = query(db, "SELECT count(*), count(reward) FROM sessions WHERE session_id LIKE '%@%'")
     assert rows == [(8, 8)]
     assert (out / "loop.png").exists() and "reward" in r.stdout
+    # on disk: the last --keep (2) checkpoints, and only the trainer state a resume reads
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["v1", "v2"]
+    assert [p.name for p in (out / "trainer").iterdir()] == ["v2.pt"]

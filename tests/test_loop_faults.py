@@ -97,6 +97,7 @@ def test_the_loop_resumes_after_kill_9_in_every_phase(tmp_path):
     _, rows = query(db, "SELECT iteration, policy_version FROM loop_iterations ORDER BY 1")
     assert rows == [(0, 0), (1, 1)]
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["v2"]   # --keep 1
+    assert [p.name for p in (out / "trainer").iterdir()] == ["v2.pt"]    # the one a resume reads
 
 
 def test_with_max_staleness_1_the_next_rollouts_run_during_training(tmp_path):

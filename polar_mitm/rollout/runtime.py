@@ -19,6 +19,7 @@ import glob
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
@@ -102,6 +103,7 @@ class LocalSandbox:
         self.born = uptime()        # its processes all start after this (seconds since boot)
         self._proc: subprocess.Popen | None = None
         self._pid1: int | None = None   # bwrap: the sandbox's PID 1, as this node sees it
+        self._pid1fd: int | None = None   # and a pidfd on it (the run's thread only)
         self.lock = None                # its runtime's lock on the sessions' directory, held while it lives
         self._cancelled = False
 
@@ -156,6 +158,11 @@ class LocalSandbox:
             self._pid1 = int(json.loads(info)["child-pid"])
         except (ValueError, KeyError, TypeError):
             self._pid1 = None        # it failed to start; its exit status says why
+            return self._proc
+        try:
+            self._pid1fd = os.pidfd_open(self._pid1)
+        except OSError:              # gone already, or a kernel without pidfds (< 5.3)
+            self._pid1fd = None
         return self._proc
 
     def _bwrapped(self, bwrap: Bwrap, argv: list[str], env: dict[str, str], proxy_port: int | None) -> list[str]:
@@ -179,8 +186,10 @@ class LocalSandbox:
         return [*isolate, sys.executable, NETBRIDGE, str(proxy_port or 0), sock or "-", "--", *argv]
 
     def _end_sandbox(self, proc: subprocess.Popen) -> None:
-        """SIGKILL the sandbox's PID 1: the kernel ends every process of its PID namespace,
-        and bwrap exits once they are all gone."""
+        """SIGKILL the sandbox's PID 1: the kernel ends every process of its PID namespace.
+        bwrap itself exits as soon as the command does, before PID 1 has ended the others,
+        so the run then waits on PID 1's pidfd: it turns readable only once the namespace
+        is empty (the kernel reaps the rest first)."""
         if proc.poll() is None:
             self._kill_sandbox(proc)
         try:
@@ -188,6 +197,17 @@ class LocalSandbox:
         except subprocess.TimeoutExpired:    # never seen; bwrap's own death ends PID 1 too
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        fd, self._pid1fd = self._pid1fd, None
+        if fd is None:
+            return
+        try:
+            if not select.select([fd], [], [], 0)[0]:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+                select.select([fd], [], [], 10.0)
+        except ProcessLookupError:
+            pass
+        finally:
+            os.close(fd)
 
     def _kill_sandbox(self, proc: subprocess.Popen) -> None:
         pid1 = self._pid1

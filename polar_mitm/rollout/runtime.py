@@ -154,15 +154,14 @@ class LocalSandbox:
             finally:
                 os.close(w)
             info = f.read()
+        self._pid1 = self._pid1fd = None
         try:
             self._pid1 = int(json.loads(info)["child-pid"])
+            self._pid1fd = os.pidfd_open(self._pid1)
         except (ValueError, KeyError, TypeError):
             self._pid1 = None        # it failed to start; its exit status says why
-            return self._proc
-        try:
-            self._pid1fd = os.pidfd_open(self._pid1)
-        except OSError:              # gone already, or a kernel without pidfds (< 5.3)
-            self._pid1fd = None
+        except OSError:              # PID 1 gone already, or a kernel without pidfds (< 5.3)
+            pass
         return self._proc
 
     def _bwrapped(self, bwrap: Bwrap, argv: list[str], env: dict[str, str], proxy_port: int | None) -> list[str]:

@@ -14,7 +14,7 @@ from polar_mitm.store import (CallRecord, CallWriter, SessionInfo, StoreBusy, co
 from polar_mitm.store.calllog import segment_ids, segment_path
 from polar_mitm.store import writer as writer_module
 from polar_mitm.store.loader import TAIL, LoaderConfig
-from polar_mitm.store.db import readers_dir, readers_waiting
+from polar_mitm.store.db import reading, readers_dir, readers_waiting, writing
 from polar_mitm.store.db import schema_version
 from polar_mitm.store.schema import MIGRATIONS
 
@@ -497,3 +497,22 @@ def test_the_loader_spills_next_to_the_database_not_into_the_working_directory(t
     finally:
         con.close()
     assert not (tmp_path / ".tmp").exists()
+
+
+def test_a_query_duckdb_stopped_for_a_signal_raises_keyboardinterrupt(tmp_path):
+    """Ctrl-C mid-query: DuckDB drops the handler's KeyboardInterrupt for RuntimeError('Query
+    interrupted'), which failed `polar-mitm rollout` with exit 1 instead of 130 (the group
+    soak saw it in CI). The store's connections raise it as the KeyboardInterrupt it was.
+    (Whether DuckDB sees the signal at all is a race, so the test raises what it raises.)"""
+    from polar_mitm.stack import interrupted_exit_code
+    db = tmp_path / "x.duckdb"
+    init_db(db)
+    for opened in (writing, reading):
+        with pytest.raises(KeyboardInterrupt) as e:
+            with opened(db):
+                raise RuntimeError("Query interrupted")
+        assert isinstance(e.value.__cause__, RuntimeError), opened
+        assert interrupted_exit_code(e.value) == 130
+        with pytest.raises(RuntimeError, match="something else"):   # any other error is left as it is
+            with opened(db):
+                raise RuntimeError("something else")

@@ -128,6 +128,19 @@ def _is_request(name: str) -> bool:
 
 
 @contextmanager
+def _interrupts_kept() -> Iterator[None]:
+    """A signal handler that raises during a query (Ctrl-C's KeyboardInterrupt) has its
+    exception dropped by DuckDB for RuntimeError('Query interrupted'): raise it as the
+    KeyboardInterrupt it was, so the caller stops as interrupted instead of failing."""
+    try:
+        yield
+    except RuntimeError as e:
+        if str(e) != "Query interrupted":
+            raise
+        raise KeyboardInterrupt("a query was interrupted by a signal") from e
+
+
+@contextmanager
 def reading(path: str | os.PathLike, timeout: float = 30.0) -> Iterator[duckdb.DuckDBPyConnection]:
     """A read-only connection, closed on exit so the proxy can write again."""
     if not Path(path).exists():
@@ -137,7 +150,8 @@ def reading(path: str | os.PathLike, timeout: float = 30.0) -> Iterator[duckdb.D
         _catch_up_if_orphaned(path, timeout)
         con = connect(path, read_only=True, timeout=timeout)
         try:
-            yield con
+            with _interrupts_kept():
+                yield con
         finally:
             con.close()
 
@@ -148,7 +162,8 @@ def writing(path: str | os.PathLike, timeout: float = 30.0) -> Iterator[duckdb.D
     with _announced(path, timeout):
         con = connect(path, timeout=timeout)
         try:
-            yield con
+            with _interrupts_kept():
+                yield con
         finally:
             con.close()
 

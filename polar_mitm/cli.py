@@ -15,7 +15,8 @@ import click
 from . import launch
 from .models import cache_dir
 from .rollout_cli import register as register_rollout
-from .stack import Stack, interrupted_exit_code, stop_on_sigterm
+from .interrupts import interrupted_exit_code, stop_on_sigterm
+from .stack import Stack
 from .store import export_parquet, query
 
 

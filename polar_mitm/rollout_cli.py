@@ -26,8 +26,8 @@ from .rollout.protocol import Group, SessionResult
 from .rollout.rewards import reward_records
 from .rollout.spec import TaskChanged, TaskExists, TaskRequest, spec_changes, task_from_json
 from .rollout.states import ORDER, OUTCOMES, TASK_SETTLED, TERMINAL, Callback, Session
-from .stack import (Stack, check_backend, check_workspaces, ensure_harnesses, interrupted_exit_code, read_tasks,
-                    stop_on_sigterm)
+from .interrupts import interrupted_exit_code, stop_on_sigterm
+from .stack import Stack, check_backend, check_workspaces, ensure_harnesses, read_tasks
 from .store import figures as store_figures
 from .store import rollout_journal
 from .store.training import set_rewards

@@ -504,7 +504,7 @@ def test_a_query_duckdb_stopped_for_a_signal_raises_keyboardinterrupt(tmp_path):
     interrupted'), which failed `polar-mitm rollout` with exit 1 instead of 130 (the group
     soak saw it in CI). The store's connections raise it as the KeyboardInterrupt it was.
     (Whether DuckDB sees the signal at all is a race, so the test raises what it raises.)"""
-    from polar_mitm.stack import interrupted_exit_code
+    from polar_mitm.interrupts import interrupted_exit_code
     db = tmp_path / "x.duckdb"
     init_db(db)
     for opened in (writing, reading):

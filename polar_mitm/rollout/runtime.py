@@ -159,7 +159,7 @@ class LocalSandbox:
             self._pid1 = int(json.loads(info)["child-pid"])
             self._pid1fd = os.pidfd_open(self._pid1)
         except (ValueError, KeyError, TypeError):
-            self._pid1 = None        # it failed to start; its exit status says why
+            pass                     # it failed to start; its exit status says why
         except OSError:              # PID 1 gone already, or a kernel without pidfds (< 5.3)
             pass
         return self._proc

@@ -14,6 +14,8 @@ import click
 
 from . import launch
 from .models import cache_dir
+from .cli_params import (MAX_TOKENS_OR_NONE, PORT, PORT_OR_ANY, check_model_dir, check_port_free, db_file,
+                         server_root)
 from .rollout_cli import register as register_rollout
 from .interrupts import interrupted_exit_code, stop_on_sigterm
 from .stack import Stack
@@ -104,10 +106,12 @@ def addon_path():
 
 
 @main.command()
-@click.option("--db", default="rollouts.duckdb", show_default=True)
-@click.option("--backend", default="", help="Use this vLLM server instead of starting the default model")
-@click.option("--port", default=8080, show_default=True, help="Regular (HTTPS_PROXY) listener")
-@click.option("--reverse-port", default=8081, show_default=True, help="Base-URL (reverse) listener")
+@click.option("--db", default="rollouts.duckdb", show_default=True, callback=db_file)
+@click.option("--backend", default="", callback=server_root,
+              help="Use this vLLM server (its root URL) instead of starting the default model")
+@click.option("--port", default=8080, show_default=True, type=PORT, help="Regular (HTTPS_PROXY) listener")
+@click.option("--reverse-port", default=8081, show_default=True, type=PORT_OR_ANY,
+              help="Base-URL (reverse) listener (0: none)")
 @click.option("--confdir", default=os.path.expanduser("~/.mitmproxy"), show_default=True)
 @click.option("--max-model-len", default=8192, show_default=True)
 @click.option("--model", default="", help="Serve this model directory (a polar-train checkpoint) instead of the default")
@@ -118,6 +122,12 @@ def up(db, backend, port, reverse_port, confdir, max_model_len, model, dtype):
     Exit status: 130 after Ctrl-C, 143 after SIGTERM (as `node` and `rollout-server`); 1 when
     a service it started stopped by itself."""
     stop_on_sigterm()
+    if reverse_port == port:
+        raise click.BadParameter(f"{port} is --port already", param_hint="'--reverse-port'")
+    check_port_free(port)
+    check_port_free(reverse_port, option="--reverse-port")
+    if model and not backend:
+        check_model_dir(model)
     logs = cache_dir() / "logs"
     logs.mkdir(mode=0o700, parents=True, exist_ok=True)
     with Stack() as stack:
@@ -144,24 +154,27 @@ DEMO_TASKS = Path(__file__).parent / "demo_tasks"
 @main.command()
 @click.option("--sdk", is_flag=True, help="Instead: the SDK tour (every API style through the proxy)")
 @click.option("--out", default="polar-demo", show_default=True, help="The loop's run directory")
-@click.option("--iterations", default=3, show_default=True)
-@click.option("--db", default="polar-demo.duckdb", show_default=True, help="--sdk: the database")
-@click.option("--backend", default="", help="Use this vLLM server (dev mode) instead of starting the default model")
-@click.option("--max-tokens", default=0, help="Cap on each call's output tokens (0: 48 for the loop, 24 --sdk)")
+@click.option("--iterations", default=3, show_default=True, type=click.IntRange(1))
+@click.option("--db", default="polar-demo.duckdb", show_default=True, callback=db_file, help="--sdk: the database")
+@click.option("--backend", default="", callback=server_root,
+              help="Use this vLLM server (dev mode; its root URL) instead of starting the default model")
+@click.option("--max-tokens", default=0, type=MAX_TOKENS_OR_NONE,
+              help="Cap on each call's output tokens (0: 48 for the loop, 24 --sdk)")
 def demo(sdk, out, iterations, db, backend, max_tokens):
     """The main job on the embedded default model: the closed loop (Pi on small arithmetic
     tasks, GRPO, the new weights synced into the running vLLM, held-out tasks each
     iteration). --sdk: every API style through the proxy instead."""
     if not sdk:
         from .grpo.config import TrainConfig
-        from .loop import LoopOptions, run_loop
+        from .loop import LoopOptions
+        from .train_cli import interruptible_loop
         stop_on_sigterm()
         opts = LoopOptions(tasks_file=str(DEMO_TASKS / "arithmetic.jsonl"), iterations=iterations,
                            out=Path(out), harness="pi", samples=4, backend=backend or None,
                            eval_tasks_file=str(DEMO_TASKS / "arithmetic_heldout.jsonl"), workers=4,
                            max_tokens=max_tokens or 48)
         # lr 1e-5: the issue's measured setting for this model (fp32 serving); warmup none
-        run_loop(opts, TrainConfig(lr=1e-5))
+        interruptible_loop(opts, TrainConfig(lr=1e-5))
         return
     max_tokens = max_tokens or 24
     from .demo import SUMMARY_SQL, drive

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -170,10 +171,10 @@ def wait_port(port: int, service: Service | None, timeout: float = 30.0) -> None
     raise TimeoutError(f"port {port} not open after {timeout:.0f}s")
 
 
-def wait_addon(port: int, service: Service, timeout: float = 20.0) -> None:
+def wait_addon(port: int, service: Service, timeout: float = 20.0, control_token: str | None = None) -> None:
     """The addon answers its health path itself. If it failed to load, mitmdump would
     forward harness traffic to the real hosts, so refuse to run at all."""
-    from .addons.gateway import HEALTH_PATH
+    from .addons.health import HEALTH_PATH, HEALTH_TOKEN_NEEDED
 
     deadline = time.monotonic() + timeout
     last = ""
@@ -182,10 +183,13 @@ def wait_addon(port: int, service: Service, timeout: float = 20.0) -> None:
             raise RuntimeError(f"{service.name} exited early:\n{service.tail()}")
         try:
             r = httpx.get(f"http://polar.health{HEALTH_PATH}", proxy=f"http://127.0.0.1:{port}",
-                          timeout=5, trust_env=False)
+                          timeout=5, trust_env=False,
+                          headers={"authorization": f"Bearer {control_token}"} if control_token else None)
             status = r.json().get("polar") if r.status_code == 200 else None
             if status in ("ok", "degraded"):   # loaded and answering (degraded: see its log)
                 return
+            if r.status_code == 403 and HEALTH_TOKEN_NEEDED in r.text:
+                return                         # loaded, and keeps its figures to the token's holder
             last = f"status {r.status_code}"
         except (httpx.HTTPError, ValueError) as e:
             last = repr(e)
@@ -221,7 +225,9 @@ def start_vllm(model_dir: str | Path, *, port: int, served_name: str, log_path: 
 
 def start_proxy(*, db: str | Path, backend: str, port: int, confdir: str | Path,
                 log_path: Path, reverse_port: int | None = None,
-                extra_sets: list[str] | None = None) -> Service:
+                extra_sets: list[str] | None = None, control_token: str | None = None) -> Service:
+    """mitmdump with the polar addon. control_token: handed over in a file that the addon
+    reads and removes at start (never on the command line, which any process can read)."""
     argv = [mitmdump_path(), "-s", str(ADDON_FILE), "--listen-host", "127.0.0.1",
             "--mode", f"regular@{port}", "--set", f"confdir={confdir}",
             "--set", f"polar_db={db}", "--set", f"polar_backend={backend}",
@@ -233,15 +239,24 @@ def start_proxy(*, db: str | Path, backend: str, port: int, confdir: str | Path,
     # mitmdump creates its CA files there; the database, its WAL and the call log come from
     # the same process: all of it readable by this user only.
     Path(confdir).mkdir(mode=0o700, parents=True, exist_ok=True)
+    if control_token:
+        token_file = Path(confdir) / f".control-{secrets.token_hex(8)}"
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(control_token)
+        argv += ["--set", f"polar_control_token_file={token_file}"]
     service = Service("mitmdump", argv, None, log_path, umask=PRIVATE_UMASK)
     try:
         wait_port(port, service)
-        wait_addon(port, service)
+        wait_addon(port, service, control_token=control_token)
         if reverse_port:
             wait_port(reverse_port, service)
     except BaseException:
         service.stop()
         raise
+    finally:
+        if control_token:
+            token_file.unlink(missing_ok=True)     # read by now, or never to be
     return service
 
 

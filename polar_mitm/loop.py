@@ -17,6 +17,7 @@ continues after the last completed iteration; a kill -9 loses at most the one in
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -24,6 +25,7 @@ import secrets
 import shutil
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -31,15 +33,16 @@ from typing import Callable
 import click
 
 from . import launch
-from .grpo.advantages import group_stats
+from .cli_params import model_dir_problem
+from .grpo.advantages import group_stats, no_signal
 from .loop_options import LoopOptions
 from .rollout.client import ServerClient, ServerError
-from .rollout.rewards import reward_records
-from .rollout.protocol import Group, RewardRecord
-from .rollout.spec import TaskRequest
-from .rollout.states import TASK_SETTLED, TERMINAL
-from .session_ids import TASK_ID_MAX, run_task_id, task_of_run
-from .store import init_db
+from .rollout.rewards import release_causes, reward_records
+from .rollout.protocol import Group, RewardRecord, SessionResult
+from .rollout.spec import TaskRequest, spec_changes, task_from_json
+from .rollout.states import TASK_SETTLED, TERMINAL, Session
+from .session_ids import RUN_SEPARATOR, TASK_ID_MAX, run_task_id, task_of_run
+from .store import init_db, rollout_journal
 from .store.loop import iterations as stored_iterations
 from .store.loop import IterationRow, TaskRewards, record_iteration, record_version
 from .store.training import set_rewards, training_calls
@@ -76,41 +79,70 @@ class LoopError(click.ClickException):
 
 
 def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.echo) -> list[dict]:
+    """The loop (module docstring); a disk that fills up is a LoopError (rerun to resume)."""
+    try:
+        return _run_loop(opts, train_cfg, echo)
+    except Exception as e:
+        if not isinstance(e, click.ClickException) and _disk_full(e, opts.out):
+            where = getattr(e, "filename", None) or opts.out
+            raise LoopError(f"no space left on the device of {where} ({_one_line(e)}): free some space and "
+                            "rerun the same command to resume") from None
+        raise
+
+
+def _run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None]) -> list[dict]:
     from .grpo.train import Trainer, TrainError
     from .models import DEFAULT_MODEL_NAME, ensure_default_model
-    from .stack import Stack, ensure_harnesses, read_tasks
+    from .stack import Stack, check_workspaces, ensure_harnesses, read_tasks
 
     if opts.server and opts.backend:
         raise LoopError("--server or --backend, not both: the rollout server's nodes have their own backends")
     if opts.colocate and opts.max_staleness:
         raise LoopError("--colocate needs --max-staleness 0: vLLM sleeps while the trainer runs, so "
                         "nothing can be sampled then")
+    if opts.model and (problem := model_dir_problem(opts.model)):   # before anything syncs to it
+        raise LoopError(f"--model: {problem}")
     out = opts.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     lock = os.open(out / ".loop.lock", os.O_CREAT | os.O_RDWR, 0o600)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        os.close(lock)
         raise LoopError(f"another loop is running on {out}") from None
-    tasks = read_tasks(opts.tasks_file, opts.harness, opts.samples)
-    eval_tasks = read_tasks(opts.eval_tasks_file, opts.harness, opts.samples) if opts.eval_tasks_file else []
-    if not opts.server:
-        ensure_harnesses(t.harness for t in [*tasks, *eval_tasks])
-    state = LoopState.load(out)
-    if state is None:   # saved at once: a rerun after a kill resumes this run's task ids
-        state = LoopState(run_id=secrets.token_hex(3))
-        state.save(out)
-    if state.completed >= opts.iterations:
-        echo(f"{out}: {state.completed} iterations already done")
-    base = str(Path(opts.model).resolve()) if opts.model else str(ensure_default_model(log=echo))
-    # The loop's own tables; on one machine the same file holds the calls and rewards.
-    db = str(out / ("loop.duckdb" if opts.server else "rollouts.duckdb"))
-    init_db(db)
-    work = out / "work"
-    work.mkdir(mode=0o700, exist_ok=True)
     stack = Stack()
     client = None
     try:
+        # The loop's own tables; on one machine the same file holds the calls and rewards.
+        db = str(out / ("loop.duckdb" if opts.server else "rollouts.duckdb"))
+        state = LoopState.load(out)
+        if state is not None and state.completed >= opts.iterations:
+            # nothing to run: nothing starts, and a shared --backend keeps what it serves
+            echo(f"{out}: {state.completed} iterations done already (--iterations {opts.iterations}); "
+                 "nothing to run")
+            rows = stored_iterations(db, state.run_id) if Path(db).exists() else []
+            echo(iteration_table(rows))
+            return rows
+        # everything that can be checked is, before anything starts ---------------------------------
+        tasks = read_tasks(opts.tasks_file, opts.harness, opts.samples)
+        eval_tasks = read_tasks(opts.eval_tasks_file, opts.harness, opts.samples) if opts.eval_tasks_file else []
+        if not opts.server:   # a remote server checks its own (its nodes may hold them)
+            check_workspaces([*tasks, *eval_tasks])
+        if state is not None:
+            if state.checkpoint and (problem := model_dir_problem(state.checkpoint)):
+                raise LoopError(f"{LoopState.path(out)} serves checkpoint {state.checkpoint}, but {problem}")
+            if not opts.server:
+                _check_unchanged(db, state.run_id, tasks, eval_tasks, opts.tasks_file, out)
+        if not opts.server:
+            ensure_harnesses(t.harness for t in [*tasks, *eval_tasks])
+        if state is None:   # saved at once: a rerun after a kill resumes this run's task ids
+            state = LoopState(run_id=secrets.token_hex(3))
+            state.save(out)
+        base = str(Path(opts.model).resolve()) if opts.model else str(ensure_default_model(log=echo))
+        init_db(db)
+        work = out / "work"
+        work.mkdir(mode=0o700, exist_ok=True)
+
         # the stack, once ------------------------------------------------------------------------
         serving = state.checkpoint or base
         if opts.server:
@@ -137,7 +169,7 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
             stack.start_node(
                 db=db, backend=backend, work=work, proxy_port=launch.free_port(), workers=opts.workers,
                 max_tokens=opts.max_tokens, server_url=server_url, temperature=train_cfg.temperature,
-                extra_sets=[f"polar_policy_version={state.version}"])
+                extra_sets=[f"polar_policy_version={state.version}", f"polar_policy_checkpoint={serving}"])
         client = ServerClient(server_url)
 
         def check() -> None:
@@ -187,6 +219,9 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
             data = training_calls(dbs, sessions=[s["session_id"] for s in finals], temperature=train_cfg.temperature,
                                   reward_covers=covers)
             calls = data.calls
+            every = [s for g in groups.values() for s in g["sessions"]]   # held-out ones too
+            if not _model_calls(every, data):
+                raise LoopError(_no_calls_error(it, every, {t.spec.harness for t in [*train, *held_out]}))
             # trained: calls at most max_staleness versions behind the policy now trained
             fresh = [c for c in calls if c.policy_version >= version - opts.max_staleness]
             row = _rollout_row(state.run_id, it, version, train_groups, [groups[t.task_id] for t in held_out],
@@ -195,11 +230,16 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
 
             t1 = time.monotonic()
             history: list[dict] = []
-            try:
-                summary = _train(trainer, fresh, data.rewards, out / "iterations" / f"{it:04d}", it, opts.iterations)
-                history = summary["history"]
-            except TrainError as e:
-                echo(f"iteration {it + 1}: nothing trained ({e})")
+            no_signal = _no_signal_reason(train_groups)
+            if no_signal:
+                echo(f"iteration {it + 1}: nothing trained, no learning signal: {no_signal}")
+            else:
+                try:
+                    summary = _train(trainer, fresh, data.rewards, out / "iterations" / f"{it:04d}", it,
+                                     opts.iterations)
+                    history = summary["history"]
+                except TrainError as e:
+                    echo(f"iteration {it + 1}: nothing trained: {_train_error(e, data, len(calls) - len(fresh))}")
             if history:
                 ckpt = out / "checkpoints" / f"v{version + 1}"
                 trainer.save(ckpt)
@@ -228,8 +268,7 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
             row["sync_s"] = time.monotonic() - t2
             record_iteration(db, row, history)
             state.completed = it + 1
-            state.save(out)
-            _prune(state, opts.keep)
+            _prune(state, opts.keep, out)   # saves the state: loop.json lists what is on disk
             echo(_iteration_line(row))
 
         rows = stored_iterations(db, state.run_id)
@@ -243,6 +282,137 @@ def run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None] = click.e
             client.close()
         stack.stop()
         os.close(lock)
+
+
+def _one_line(e: BaseException | str) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _disk_full(e: BaseException, near: Path) -> bool:
+    """e is what a full disk (or quota) raises: OSError ENOSPC/EDQUOT, the message of a
+    library that wraps it (DuckDB, safetensors), or a write that failed (torch.save) on a
+    filesystem with (almost) no space left."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(e)
+    if "No space left on device" in text or "Disk quota exceeded" in text:
+        return True
+    if "write" in text.lower() and "fail" in text.lower():
+        where = Path(near).resolve()
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        try:
+            return shutil.disk_usage(where).free < 64 << 20
+        except OSError:
+            return False
+    return False
+
+
+def _check_unchanged(db: str, run_id: str, tasks: list[TaskRequest], eval_tasks: list[TaskRequest],
+                     tasks_file: str, out: Path) -> None:
+    """A run's tasks are fixed: on resume, each task as this run submitted it before (its
+    latest iteration's copy, TASK@RUN.I) is the task the files give now, or a LoopError names
+    the tasks and what changed."""
+    if not Path(db).exists():
+        return
+    rollout_journal.ensure(db)
+    now = {(t.task_id, False): t for t in tasks} | {(t.task_id, True): t for t in eval_tasks}
+    latest: dict[tuple[str, bool], tuple[int, dict]] = {}
+    for row in rollout_journal.load(db)[0]:
+        tid = row["task_id"]
+        task, sep, rest = tid.rpartition(RUN_SEPARATOR)
+        run, _, it = rest.partition(".")
+        if not sep or run != run_id:
+            continue
+        held_out = it.endswith(".eval")
+        n = it.removesuffix(".eval")
+        key = (task, held_out)
+        if n.isdigit() and key in now and int(n) >= latest.get(key, (-1, {}))[0]:
+            latest[key] = (int(n), row["spec"])
+    changed = []
+    for (task, held_out), (_, spec) in sorted(latest.items()):
+        current = now[(task, held_out)]
+        changes = spec_changes(task_from_json(spec), replace(current, task_id=spec["task_id"]))
+        if changes:
+            changed.append(f"{task}{' (held out)' if held_out else ''}: {'; '.join(changes)}")
+    if changed:
+        raise LoopError(f"tasks changed since this run started: {' | '.join(changed)}; a run's tasks are "
+                        f"fixed: put {tasks_file} back as it was, "
+                        f"or start a new run with another --out than {out}")
+
+
+def _model_calls(sessions: list[SessionResult], data) -> int:
+    """Model calls the sessions made: their stats' count (the node's, from the database),
+    or else the calls the training data read (kept or skipped)."""
+    counted = sum(n for s in sessions if isinstance(n := (s.get("stats") or {}).get("calls"), int))
+    return max(counted, len(data.calls) + sum(data.skipped.values()))
+
+
+def _tail(text: str, lines: int = 12, chars: int = 1500) -> str:
+    kept = [ln.rstrip() for ln in text.strip().splitlines()][-lines:]
+    out = "\n".join(kept)[-chars:]
+    return "\n".join(f"  | {ln}" for ln in out.splitlines())
+
+
+def _no_calls_error(it: int, sessions: list[SessionResult], harnesses: set[str]) -> str:
+    """An iteration in which no session called the model: the likely cause, and the output of
+    one session (a failed one first): its harness's, else its evaluator's, else its reason."""
+    hint = ("the harness could not reach the gateway's proxy (or the model), or it failed before its "
+            "first call")
+    if "command" in harnesses:
+        hint += ("; for the command harness, check that its HTTP client uses $HTTPS_PROXY (and trusts the "
+                 "CA in $SSL_CERT_FILE)")
+    msg = (f"iteration {it + 1}: no session made a model call ({len(sessions)} sessions, 0 calls), so the "
+           f"loop cannot learn: {hint}")
+    shown = sorted(sessions, key=lambda s: (s["state"] != Session.FAILED, s["session_id"]))
+    if shown:
+        s = shown[0]
+        stats = s.get("stats") or {}
+        for key, what in (("harness_output", "its harness's output"), ("eval_output", "its evaluator's output")):
+            text = stats.get(key)
+            if isinstance(text, str) and text.strip():
+                break
+        else:
+            text, what = s.get("reason") or "", "its reason"
+        detail = f" ({_one_line(s['reason'] or '')})" if s.get("reason") and what != "its reason" else ""
+        msg += f"\n{s['session_id']} {s['state']}{detail}; " + (
+            f"{what}, last lines:\n{_tail(text)}" if text.strip() else "no output")
+    return msg
+
+
+def _no_signal_reason(groups: dict[str, Group]) -> str | None:
+    """Why these groups hold nothing to learn from (None: they do): every session failed, no
+    session has a reward, or every group's rewards are equal (GRPO's advantage is zero)."""
+    finals = [s for g in groups.values() for s in g["sessions"]]
+    if not finals:
+        return "no session ran"
+    if all(s["state"] != Session.DONE for s in finals):
+        counts = Counter(str(s["state"]) for s in finals)
+        failed = next((s for s in finals if s.get("reason")), None)
+        example = f"; {failed['session_id']}: {_one_line(failed['reason'] or '')[:200]}" if failed else ""
+        return (f"every session failed ({', '.join(f'{n} {k}' for k, n in counts.most_common())}){example}")
+    rewards = {tid: [float(s["reward"]) for s in g["sessions"] if s["reward"] is not None]
+               for tid, g in groups.items()}
+    if not any(rewards.values()):
+        return "no session has a reward (do the tasks have an evaluator?)"
+    if all(len(rs) < 2 for rs in rewards.values()):
+        return "no group has two rewarded sessions to compare (give the tasks num_samples 2 or more, or --samples)"
+    if all(no_signal(group_stats(rs)) for rs in rewards.values() if rs):
+        seen = sorted({r for rs in rewards.values() for r in rs})
+        values = ", ".join(f"{r:g}" for r in seen[:5]) + (" ..." if len(seen) > 5 else "")
+        return (f"every group's rewards are equal (rewards {values} in {len(groups)} groups): GRPO's advantage "
+                "is zero; tasks that the policy sometimes solves (or more samples) give it a signal")
+    return None
+
+
+def _train_error(e: Exception, data, stale: int) -> str:
+    """The trainer's reason, in the loop's words (its own advice is for `polar-train train`)."""
+    if "polar-train reward" not in str(e):
+        return str(e)
+    skipped = ", ".join(f"{k} {v}" for k, v in sorted(data.skipped.items())) or "none"
+    return (f"none of the {len(data.calls)} calls read could be trained ({stale} older than --max-staleness "
+            f"allows; calls skipped: {skipped})")
 
 
 def _slowest(details: list[dict | None]) -> dict:
@@ -300,7 +470,10 @@ def _submit(client: ServerClient, tasks: list[TaskRequest], run_id: str, it: int
         if len(tid) > TASK_ID_MAX:
             raise LoopError(f"{t.task_id}: task ids of at most {TASK_ID_MAX - len(tid) + len(t.task_id)} "
                             "characters, please")
-        client.submit(replace(t, task_id=tid))   # there already: a rerun resumes its sessions
+        try:
+            client.submit(replace(t, task_id=tid))   # there already: a rerun resumes its sessions
+        except ServerError as e:   # a task changed on resume, a workspace the server lacks
+            raise LoopError(str(e)) from None
         out.append(Submitted(tid, t))
     return out
 
@@ -335,7 +508,9 @@ def _rollout_row(run_id: str, it: int, version: int, groups: dict[str, Group], e
         per_task[task] = {"mean": _mean(rs), "std": _std(rs), "n": len(rs)}
         rewards += rs
     eval_rewards = [s["reward"] for g in eval_groups for s in g["sessions"] if s["reward"] is not None]
+    released = release_causes([*groups.values(), *eval_groups])   # run again, never scored: why
     return {"run_id": run_id, "iteration": it, "policy_version": version, "checkpoint": None,
+            "sessions_released": sum(released.values()), "released_why": dict(released),
             "reward_mean": _mean(rewards), "reward_std": _std(rewards),
             "eval_reward_mean": _mean(eval_rewards) if eval_groups else None,
             "sessions_done": states.get("done", 0), "sessions_failed": states.get("failed", 0),
@@ -361,14 +536,20 @@ def _train(trainer, calls, rewards: dict, out: Path, it: int, iterations: int) -
             bar.__exit__(None, None, None)
 
 
-def _prune(state: LoopState, keep: int) -> None:
-    """Keep the last `keep` checkpoints (and the one served, always), and of the trainer
-    states only the one loop.json names: a resume reads no other, and each is AdamW's two
-    moments, twice the fp32 weights (~1 GB for the default model). Runs after state.save."""
-    while len(state.checkpoints) > max(keep, 1):
-        old = state.checkpoints.pop(0)
-        if old != state.checkpoint:
-            shutil.rmtree(old, ignore_errors=True)
+def _prune(state: LoopState, keep: int, out: Path) -> None:
+    """Save the state with the last `keep` checkpoints (and the one served, always), then
+    delete the others, and of the trainer states all but the one loop.json names: a resume
+    reads no other, and each is AdamW's two moments, twice the fp32 weights (~1 GB for the
+    default model). loop.json never lists a checkpoint that is gone, whenever a kill -9
+    comes: one it no longer lists goes at the next prune (so does a save a kill cut short)."""
+    while len(state.checkpoints) > max(keep, 1) and state.checkpoints[0] != state.checkpoint:
+        state.checkpoints.pop(0)
+    state.save(out)
+    kept = {str(Path(p).resolve()) for p in [*state.checkpoints, state.checkpoint or ""] if p}
+    folder = out / "checkpoints"
+    for p in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if str(p.resolve()) not in kept:
+            shutil.rmtree(p, ignore_errors=True)
     if state.trainer_state:
         current = Path(state.trainer_state)
         for p in current.parent.iterdir():   # older versions, and a save a kill cut short
@@ -392,7 +573,17 @@ def _iteration_line(r: IterationRow) -> str:
     return (f"iteration {r['iteration'] + 1} (policy v{r['policy_version']}): reward {_f(r['reward_mean'])} "
             f"+- {_f(r['reward_std'])}, held-out {_f(r['eval_reward_mean'])}; {r['calls']} calls, "
             f"loss {_f(r.get('loss'), '+.4f')}; rollouts {r['rollout_s']:.0f}s, training {r['train_s']:.0f}s, "
-            f"sync {r['sync_s']:.1f}s")
+            f"sync {r['sync_s']:.1f}s" + _released_part(r))
+
+
+def _released_part(r: IterationRow) -> str:
+    """"; 3 sessions ran again (backend unavailable 2, policy version unknown 1)": the
+    attempts whose outcome was not the policy's, so they were run again, unscored."""
+    why = r.get("released_why") or {}
+    if not r.get("sessions_released"):
+        return ""
+    return (f"; {r['sessions_released']} session(s) ran again ("
+            + ", ".join(f"{k} {v}" for k, v in sorted(why.items())) + ")")
 
 
 def iteration_table(rows: list[dict]) -> str:

@@ -10,6 +10,7 @@ and 143 after SIGTERM (the sessions in flight go back in the queue: a rerun resu
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from collections import Counter
@@ -23,9 +24,11 @@ from .grpo.advantages import group_stats, no_signal
 from .rollout import RolloutServer
 from .rollout import harnesses
 from .rollout.protocol import Group, SessionResult
-from .rollout.rewards import reward_records
+from .rollout.rewards import release_causes, reward_records
 from .rollout.spec import TaskChanged, TaskExists, TaskRequest, spec_changes, task_from_json
-from .rollout.states import ORDER, OUTCOMES, TASK_SETTLED, TERMINAL, Callback, Session
+from .rollout.states import ORDER, OUTCOMES, RELEASE_CAUSE, TASK_SETTLED, TERMINAL, Callback, ReleaseCause, Session
+from .cli_params import (MAX_TOKENS, MAX_TOKENS_OR_NONE, PORT_OR_ANY, WORKERS, check_model_dir, check_port_free,
+                         db_file, server_root)
 from .interrupts import interrupted_exit_code, stop_on_sigterm
 from .stack import Stack, check_backend, check_workspaces, ensure_harnesses, read_tasks
 from .store import figures as store_figures
@@ -166,9 +169,21 @@ class RunFigures:
         return out
 
     def rerun_reasons(self) -> Counter:
-        """Attempts that ran again under a new name: released (handed back) or lost."""
-        return Counter(f"{s['state']}: {(s['reason'] or '')[:110]}" for g in self.groups.values()
-                       for s in g["attempts"] if s["state"] in (Session.RELEASED, Session.LOST))
+        """Attempts that ran again under a new name: released (handed back), by cause (backend
+        unavailable, policy version unknown, node stopped), or lost, by reason."""
+        out: Counter = Counter()
+        for g in self.groups.values():
+            for s in g["attempts"]:
+                cause = (s["stats"] or {}).get(RELEASE_CAUSE)
+                if s["state"] == Session.RELEASED and cause in set(ReleaseCause):
+                    out[f"released: {ReleaseCause(cause).label}"] += 1
+                elif s["state"] in (Session.RELEASED, Session.LOST):
+                    out[f"{s['state']}: {(s['reason'] or '')[:110]}"] += 1
+        return out
+
+    def released(self) -> Counter:
+        """Released attempts by cause (rewards.release_causes)."""
+        return release_causes(self.groups.values())
 
     # -- lines ----------------------------------------------------------------------------
     def group_line(self, tid: str) -> str:
@@ -198,6 +213,10 @@ class RunFigures:
         flat, settled = self.flat_groups()
         if flat:
             out.append(f"zero-variance groups {len(flat)} of {settled}")
+        released = self.released()
+        if released:
+            out.append(f"released {sum(released.values())} (" +
+                       ", ".join(f"{k} {v}" for k, v in released.most_common()) + ")")
         paused = sorted({n["paused"] for n in self.server.status().get("nodes", {}).values()
                          if n.get("paused") and not n.get("lost")})
         if paused:
@@ -268,6 +287,26 @@ def print_summary(server: RolloutServer, task_ids: list[str], run: RunFigures | 
             click.echo(f"{title}: " + "; ".join(f"{k} x{v}" for k, v in reasons.most_common(8)))
 
 
+def callback_line(server: RolloutServer, task_ids: list[str]) -> str | None:
+    """Once every task settled, what `rollout` still waits for: the callbacks not yet
+    delivered, per URL, with the last try's error, the next try and the most time left."""
+    if not all(server.tasks[tid].state in TASK_SETTLED for tid in task_ids):
+        return None
+    pending = server.pending_callbacks(task_ids)
+    if not pending:
+        return None
+    by_url: dict[str, list[dict]] = {}
+    for p in pending:
+        by_url.setdefault(str(p["url"]), []).append(p)
+    parts = []
+    for url, ps in by_url.items():
+        p = max(ps, key=lambda p: p["left_s"])
+        tried = (f"try {p['tries']} of {p['of']} failed ({p['error']}), next in {p['next_in']:.0f}s"
+                 if p["tries"] and p["error"] else f"try {p['tries'] + 1} of {p['of']}")
+        parts.append(f"{len(ps)} callback(s) to {url}: {tried}; gives up within {p['left_s']:.0f}s")
+    return "waiting for " + "; ".join(parts)
+
+
 def outcome_code(server: RolloutServer, task_ids: list[str]) -> int:
     """EXIT_FAILED when a session failed or a callback was not delivered (said on stderr)."""
     failed = sum(1 for tid in task_ids for s in server.group(tid)["sessions"] if s["state"] == Session.FAILED)
@@ -284,12 +323,14 @@ def register(main: click.Group) -> None:
     @click.argument("tasks_file", type=click.Path(exists=True, dir_okay=False))
     @click.option("--harness", type=click.Choice(list(harnesses.HARNESSES)), default=None,
                   help=f"For tasks that name none (default {harnesses.DEFAULT})")
-    @click.option("--samples", type=int, default=None, help="num_samples for tasks that give none")
-    @click.option("--db", default="rollouts.duckdb", show_default=True)
-    @click.option("--backend", default="", help="A vLLM server; default: start the embedded default model")
-    @click.option("--workers", default=4, show_default=True, help="RUN slots (and INIT workers)")
-    @click.option("--max-tokens", default=512, show_default=True, help="Cap on each call's output tokens")
-    @click.option("--port", default=0, help="Rollout server port (0: any free port)")
+    @click.option("--samples", type=click.IntRange(1, 1024), default=None, help="num_samples for tasks that give none")
+    @click.option("--db", default="rollouts.duckdb", show_default=True, callback=db_file)
+    @click.option("--backend", default="", callback=server_root,
+                  help="A vLLM server's root URL (http://HOST:PORT); default: start the embedded default model")
+    @click.option("--workers", default=4, show_default=True, type=WORKERS, help="RUN slots (and INIT workers)")
+    @click.option("--max-tokens", default=512, show_default=True, type=MAX_TOKENS,
+                  help="Cap on each call's output tokens")
+    @click.option("--port", default=0, type=PORT_OR_ANY, help="Rollout server port (0: any free port)")
     @click.option("--model", default="", help="Serve this model directory (a checkpoint) instead of the default")
     @click.option("--dtype", default="float32", show_default=True, help="vLLM's dtype (the trainer's by default)")
     @click.option("--on-changed", type=click.Choice(["error", "keep"]), default="error", show_default=True,
@@ -301,6 +342,9 @@ def register(main: click.Group) -> None:
         (or a callback was not delivered); 130 after Ctrl-C, 143 after SIGTERM."""
         stop_on_sigterm()   # first: a Ctrl-C during the checks below exits 130 too, not click's 1
         try:
+            check_port_free(port)
+            if model and not backend:
+                check_model_dir(model)
             tasks, changed = _checked(tasks_file, harness, samples, db, backend, on_changed)
         except KeyboardInterrupt as e:
             click.echo("interrupted before anything started", err=True)
@@ -331,9 +375,14 @@ def register(main: click.Group) -> None:
             click.echo(f"rollout server {server.url}; {len(ids)} task(s), "
                        f"{sum(server.tasks[tid].spec.num_samples for tid in ids)} session(s); database {db}")
             run = RunFigures(server, db, ids)
+            waiting = ""
             while not server.wait(ids, timeout=2.0):
                 for line in run.tick():
                     click.echo(line)
+                callbacks = callback_line(server, ids)
+                if callbacks and re.sub(r", next in \d+s", "", callbacks) != waiting:   # a line per try
+                    waiting = re.sub(r", next in \d+s", "", callbacks)
+                    click.echo(callbacks, err=True)
                 if stack.dead():
                     raise click.ClickException(f"a service stopped: {stack.why_dead()}")
             run.stop_clock()
@@ -378,9 +427,9 @@ def register(main: click.Group) -> None:
         return tasks, changed
 
     @main.command("rollout-server")
-    @click.option("--db", default="rollouts.duckdb", show_default=True)
+    @click.option("--db", default="rollouts.duckdb", show_default=True, callback=db_file)
     @click.option("--host", default="127.0.0.1", show_default=True)
-    @click.option("--port", default=8090, show_default=True)
+    @click.option("--port", default=8090, show_default=True, type=PORT_OR_ANY, help="0: any free port")
     @click.option("--node-timeout", default=10.0, show_default=True, help="Seconds without a heartbeat")
     @click.option("--check-workspaces/--no-check-workspaces", "workspace_check", default=True, show_default=True,
                   help="Refuse a task whose workspace (directory, git repo, commit) is not on this machine; "
@@ -388,10 +437,14 @@ def register(main: click.Group) -> None:
     def rollout_server(db, host, port, node_timeout, workspace_check):
         """Serve the rollout API (POST /tasks, GET /tasks/ID, POST /tasks/ID/cancel, GET /status)."""
         stop_on_sigterm()
+        check_port_free(port, host)
         stack = Stack()
         try:
-            server = stack.start_server(db, host=host, port=port, node_timeout=node_timeout,
-                                        check_workspaces=workspace_check)
+            try:
+                server = stack.start_server(db, host=host, port=port, node_timeout=node_timeout,
+                                            check_workspaces=workspace_check)
+            except OSError as e:   # taken since the check
+                raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
             click.echo(f"rollout server on {server.url}, state in {db}")
             code = _run_until_stopped(stack)
         except KeyboardInterrupt as e:
@@ -401,12 +454,14 @@ def register(main: click.Group) -> None:
         sys.exit(code)
 
     @main.command()
-    @click.option("--server", "server_url", required=True, help="The rollout server's URL")
-    @click.option("--backend", required=True, help="The vLLM server")
-    @click.option("--db", default="node.duckdb", show_default=True, help="This node's own call database")
-    @click.option("--proxy-port", default=0, help="0: any free port")
-    @click.option("--workers", default=4, show_default=True)
-    @click.option("--max-tokens", default=0, help="Cap on each call's output tokens (0: none)")
+    @click.option("--server", "server_url", required=True, callback=server_root,
+                  help="The rollout server's root URL (http://HOST:PORT)")
+    @click.option("--backend", required=True, callback=server_root, help="The vLLM server's root URL (http://HOST:PORT)")
+    @click.option("--db", default="node.duckdb", show_default=True, callback=db_file,
+                  help="This node's own call database")
+    @click.option("--proxy-port", default=0, type=PORT_OR_ANY, help="0: any free port")
+    @click.option("--workers", default=4, show_default=True, type=WORKERS)
+    @click.option("--max-tokens", default=0, type=MAX_TOKENS_OR_NONE, help="Cap on each call's output tokens (0: none)")
     @click.option("--node-id", default=None)
     def node(server_url, backend, db, proxy_port, workers, max_tokens, node_id):
         """Run a gateway node: the proxy plus the INIT, RUN and POST_RUN pools. It pauses
@@ -414,6 +469,7 @@ def register(main: click.Group) -> None:
         stop_on_sigterm()    # first: a Ctrl-C during the check below exits 130 too
         stack = Stack()
         try:
+            check_port_free(proxy_port, option="--proxy-port")
             check_backend(backend)
             work = Path(db).resolve().parent / f".{Path(db).name}.node"
             work.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -457,3 +513,29 @@ def register(main: click.Group) -> None:
             except harnesses.HarnessMissing:
                 where = "not installed"
             click.echo(f"{name:7} {pkg.npm}@{pkg.version}  {where}")
+
+    @main.command("session-output")
+    @click.argument("session_id")
+    @click.option("--db", default="rollouts.duckdb", show_default=True, help="The rollout server's database")
+    @click.option("--timeout", default=30.0, show_default=True,
+                  help="Seconds to wait while the proxy holds the write lock")
+    def session_output(session_id, db, timeout):
+        """A session's outcome and its kept output: the tail of its harness's stdout and stderr,
+        and of its evaluator's (rollout_sessions.harness_output, eval_output)."""
+        import duckdb
+
+        try:
+            out = rollout_journal.session_output(db, session_id, timeout=timeout)
+        except (FileNotFoundError, duckdb.Error) as e:
+            raise click.ClickException(str(e)) from None
+        if out is None:
+            raise click.ClickException(f"no session {session_id} in {db}")
+        reward = "-" if out["reward"] is None else f"{out['reward']:g}"
+        exit_code = "-" if out["exit_code"] is None else out["exit_code"]
+        click.echo(f"session {out['session_id']} (task {out['task_id']}, node {out['node_id'] or '-'}): "
+                   f"{out['state']}, reward {reward}, harness exit code {exit_code}")
+        if out["reason"]:
+            click.echo(f"reason: {out['reason']}")
+        for title, text in (("harness output", out["harness_output"]), ("evaluator output", out["eval_output"])):
+            click.echo(f"--- {title} ---")
+            click.echo(text.rstrip("\n") if text else "(none kept)")

@@ -12,7 +12,7 @@ from typing import Any, Iterable
 import click
 import orjson
 
-from . import launch
+from . import launch, session_auth
 from .launch import Service
 from .models import DEFAULT_MODEL_NAME, ensure_default_model
 from .rollout import GatewayNode, NodeConfig, RolloutServer, TaskError, TaskRequest, parse_task
@@ -74,15 +74,19 @@ class Stack:
                    max_tokens: int | None, server_url: str, node_id: str | None = None,
                    extra_sets: list[str] | None = None, temperature: float | None = None) -> GatewayNode:
         """The proxy (mitmdump) and a gateway node around it. The node alone holds the proxy's
-        control token: weight syncs come through the node."""
+        control token (handed to mitmdump in a file it removes): weight syncs come through
+        the node, and each session's credential is made under it."""
         token = secrets.token_hex(16)
+        session_auth.make_undumpable()    # this process holds it now: its memory is not the sessions' to read
         sampling = ([f"max_tokens={max_tokens}"] if max_tokens else []) + \
             ([f"temperature={temperature}"] if temperature is not None else [])   # the policy's
         sets = [f"polar_sampling={','.join(sampling)}"] if sampling else []
-        sets += [f"polar_control_token={token}", *(extra_sets or [])]
+        # Every call must carry its session's credential (made under the token): a session
+        # cannot name a sibling's.
+        sets += ["polar_session_auth=on", *(extra_sets or [])]
         confdir = work / "mitmproxy"
         self.add(launch.start_proxy(db=db, backend=backend, port=proxy_port, confdir=confdir,
-                                    log_path=work / "mitmdump.log", extra_sets=sets))
+                                    log_path=work / "mitmdump.log", extra_sets=sets, control_token=token))
         cfg = NodeConfig(server_url=server_url, proxy_port=proxy_port,
                          ca_path=str(confdir / "mitmproxy-ca-cert.pem"), db=db, control_token=token,
                          init_workers=workers, run_workers=workers, post_workers=max(1, workers // 2),
@@ -119,8 +123,17 @@ def read_tasks(path: str, harness: str | None, samples: int | None) -> list[Task
     its line(s)."""
     tasks: list[TaskRequest] = []
     lines: dict[str, int] = {}
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise click.ClickException(f"{path}: cannot read the task file: {e.strerror or e}")
+    with f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise click.ClickException(f"{path}:{n}: not UTF-8 text (byte 0x{raw[e.start]:02x} at "
+                                           f"column {len(raw[:e.start].decode('utf-8', 'replace')) + 1})")
             if not line.strip() or line.lstrip().startswith("#"):
                 continue
             try:

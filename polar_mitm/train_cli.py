@@ -13,6 +13,8 @@ from pathlib import Path
 
 import click
 
+from .cli_params import MAX_TOKENS, WORKERS, server_root
+from .interrupts import interrupted_exit_code, stop_on_sigterm
 from .loop_options import LoopOptions
 from .grpo.config import BUILDERS, NORMALIZATIONS, AdvantageConfig, LossConfig, TrainConfig
 from .trainer_input import REWARD_COVERS, Call
@@ -228,21 +230,22 @@ def format_builders(rows: list[dict]) -> str:
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Run directory: database, "
               "checkpoints, loop.json, loop.png; rerun with the same --out to resume")
 @click.option("--harness", default=None, help="For tasks that name none (default pi)")
-@click.option("--samples", type=int, default=None, help="num_samples for tasks that give none")
+@click.option("--samples", type=click.IntRange(1, 1024), default=None, help="num_samples for tasks that give none")
 @click.option("--model", default="", help="The initial policy (default: the embedded SmolLM2)")
-@click.option("--backend", default="", help="A running vLLM started with VLLM_SERVER_DEV_MODE=1 "
-              "(default: start one, kept across iterations)")
+@click.option("--backend", default="", callback=server_root, help="A running vLLM (its root URL, "
+              "http://HOST:PORT) started with VLLM_SERVER_DEV_MODE=1 (default: start one, kept across iterations)")
 @click.option("--eval-tasks", "eval_tasks_file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Held-out tasks: run every iteration with the current policy, never trained on")
-@click.option("--workers", default=_LOOP["workers"], show_default=True, help="RUN slots of the node")
-@click.option("--max-tokens", default=_LOOP["max_tokens"], show_default=True, help="Cap on each call's output tokens")
-@click.option("--keep", default=_LOOP["keep"], show_default=True, help="Checkpoints kept")
+@click.option("--workers", default=_LOOP["workers"], show_default=True, type=WORKERS, help="RUN slots of the node")
+@click.option("--max-tokens", default=_LOOP["max_tokens"], show_default=True, type=MAX_TOKENS,
+              help="Cap on each call's output tokens")
+@click.option("--keep", default=_LOOP["keep"], show_default=True, type=click.IntRange(1), help="Checkpoints kept")
 @click.option("--dtype", default=_LOOP["dtype"], show_default=True, help="vLLM's dtype (the trainer's by default)")
 @click.option("--max-staleness", default=_LOOP["max_staleness"], show_default=True, type=click.IntRange(0),
               help="Policy versions a trained call may lag: 0 is synchronous; with K >= 1 the next "
                    "iteration's rollouts run while this one trains")
-@click.option("--server", default="", help="A running rollout server (polar-mitm rollout-server) whose nodes "
-              "(polar-mitm node) sample; each node syncs its vLLM in its heartbeats. The nodes' databases "
+@click.option("--server", default="", callback=server_root, help="A running rollout server "
+              "(polar-mitm rollout-server) whose nodes (polar-mitm node) sample; each node syncs its vLLM in its heartbeats. The nodes' databases "
               "and the checkpoints must be on a filesystem both sides see")
 @click.option("--colocate", is_flag=True, help="One GPU for vLLM and the trainer: vLLM sleeps (its weights "
               "and KV cache freed) while the trainer runs and wakes with the new weights. Needs vLLM's "
@@ -251,13 +254,28 @@ def format_builders(rows: list[dict]) -> str:
 def loop(tasks_file, iterations, out, harness, samples, model, backend, eval_tasks_file, workers, max_tokens,
          keep, dtype, max_staleness, server, colocate, **options):
     """The closed loop: rollouts through a real harness, GRPO, the new weights synced into the
-    running vLLM, the next rollouts."""
-    from .loop import run_loop
+    running vLLM, the next rollouts.
+
+    Exit status: 0 done; 1 an error (one line says which); 130 after Ctrl-C, 143 after SIGTERM
+    (the stack is stopped; rerun the same command to resume)."""
+    stop_on_sigterm()   # first: a Ctrl-C while the loop loads exits 130 too, not click's 1
     opts = LoopOptions(tasks_file=tasks_file, iterations=iterations, out=Path(out), harness=harness,
                        samples=samples, model=model or None, backend=backend or None,
                        eval_tasks_file=eval_tasks_file, workers=workers, max_tokens=max_tokens, keep=keep,
                        dtype=dtype, max_staleness=max_staleness, server=server or None, colocate=colocate)
-    run_loop(opts, train_config(**options))
+    interruptible_loop(opts, train_config(**options))
+
+
+def interruptible_loop(opts: LoopOptions, cfg: TrainConfig) -> None:
+    """run_loop, after stop_on_sigterm(): Ctrl-C exits 130 and SIGTERM 143, with one line; the
+    loop stops what it started on the way out (a rerun resumes)."""
+    try:
+        from .loop import run_loop
+        run_loop(opts, cfg)
+    except KeyboardInterrupt as e:
+        click.echo(f"interrupted ({'SIGTERM' if interrupted_exit_code(e) == 143 else 'Ctrl-C'}): the loop "
+                   f"stopped; rerun the same command to resume from {opts.out}", err=True)
+        sys.exit(interrupted_exit_code(e))
 
 
 @main.command()
@@ -269,10 +287,12 @@ def reward(db, rewards_file):
     if not path.exists():
         _die(f"no file {path}")
     records = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(path.read_bytes().splitlines(), 1):
         if line.strip():
             try:
-                records.append(json.loads(line))
+                records.append(json.loads(line.decode("utf-8")))
+            except UnicodeDecodeError as e:
+                _die(f"{path}:{n}: not UTF-8 text (byte 0x{line[e.start]:02x})")
             except json.JSONDecodeError as e:
                 _die(f"{path}:{n}: not JSON ({e.msg})")
     try:

@@ -7,7 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-UNKNOWN_VERSION = -1   # a call recorded without a policy version (before the gateway had one)
+# A call recorded without a policy version (NULL: the gateway could not verify the weights that
+# served it, or it had none yet). The store never hands such a call to the trainer.
+UNKNOWN_VERSION = -1
 # Which calls a session's reward covers: all of them, or its main loop's (the model it called
 # most), a task's reward_covers (rollout/spec.py) that the store applies (store/training.py).
 REWARD_COVERS = ("all", "main")
@@ -36,11 +38,11 @@ class SessionReward(NamedTuple):
 
 
 def policy_version_of(stored: str | int | None) -> int:
-    """The stored column (the gateway's integer, as text) as the record's int; calls
-    recorded without one are UNKNOWN_VERSION."""
-    if stored is None:
+    """The stored column (an INTEGER; the gateway's integer as text before migration 10) as
+    the record's int; NULL, or anything that is no integer, is UNKNOWN_VERSION."""
+    if stored is None or isinstance(stored, bool):
         return UNKNOWN_VERSION
     try:
         return int(stored)
-    except ValueError:
+    except (TypeError, ValueError):
         return UNKNOWN_VERSION

@@ -20,13 +20,16 @@ FakeVLLM, in a thread of the caller's process; its `mode` says how it answers
 
 Every mode has vLLM's other endpoints: GET /v1/models (with max_model_len), POST /tokenize,
 and the dev-mode ones a weight sync uses (/sleep, /wake_up, /is_sleeping, /collective_rpc
-reload_weights, /reset_prefix_cache, /update_weight_version; 404 with dev_mode=False). What
-it was asked is kept: bodies, tokenized, control, served, reloads. down() closes its port and
-up() opens the same one again (a backend that goes away and comes back)."""
+reload_weights, /reset_prefix_cache, /update_weight_version, GET /weight_info; 404 with
+dev_mode=False). What it was asked is kept: bodies, tokenized, control, served, reloads.
+down() closes its port and up() opens the same one again (a backend that goes away and comes
+back); restart() is that with the state a new vLLM process starts with; outage(seconds, how)
+is an outage in a thread (its port closed, or 503s), cutting the calls it holds then too."""
 
 from __future__ import annotations
 
 import itertools
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -78,8 +81,14 @@ class FakeVLLM:
         self.reloading = False
         self.control: list[str] = []      # dev-mode calls, in order (path with query)
         self.sleeping: set[str] = set()   # what sleeps: "weights", "kv_cache"
+        self.weight_version: str | None = None   # /update_weight_version's tag, as /weight_info tells it
+        self.restarts = 0
+        self._conns: set = set()          # open client connections: they end with the "process"
         self.served_asleep = 0            # generation asked while asleep (must stay 0)
         self._ids = itertools.count(1)
+        # an outage in progress: "refuse" (connections dropped, the port closed) or "503"
+        self.failing: str | None = None
+        self.outages: list[tuple[float, float, str]] = []   # (start, end, how), monotonic seconds
         self._handler = self._make_handler()
         self._httpd: ThreadingHTTPServer | None = None
         self._serving = False
@@ -163,6 +172,19 @@ class FakeVLLM:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+
+            def setup(self):
+                super().setup()
+                with fake.lock:
+                    fake._conns.add(self.connection)
+
+            def finish(self):
+                with fake.lock:
+                    fake._conns.discard(self.connection)
+                try:
+                    super().finish()
+                except OSError:
+                    pass
             disable_nagle_algorithm = True  # headers and body go out as separate writes
 
             def log_message(self, *a):
@@ -178,9 +200,28 @@ class FakeVLLM:
                 except (BrokenPipeError, ConnectionResetError):
                     pass   # the proxy gave up on this call (its harness timed out)
 
+            def _failing(self) -> bool:
+                """During an outage: the connection dropped (refuse) or a 503, as a crashed
+                or overloaded vLLM would; True when it answered so."""
+                if fake.failing == "refuse":
+                    self.close_connection = True
+                    try:
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                    return True
+                if fake.failing == "503":
+                    self._send(503, b'{"error":{"message":"the engine is not ready","type":"ServiceUnavailable"}}')
+                    return True
+                return False
+
             def do_GET(self):
+                if self._failing():
+                    return
                 if self.path == "/is_sleeping":
                     self._send(200, orjson.dumps({"is_sleeping": bool(fake.sleeping)}))
+                elif self.path == "/weight_info" and fake.dev_mode:
+                    self._send(200, orjson.dumps({"weight_version": fake.weight_version}))
                 elif self.path == "/v1/models":
                     self._send(200, orjson.dumps({"object": "list", "data": [
                         {"id": fake.model, "max_model_len": fake.max_model_len}]}))
@@ -189,6 +230,8 @@ class FakeVLLM:
 
             def do_POST(self):
                 body = orjson.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
+                if self._failing():
+                    return
                 route, _, query = self.path.partition("?")
                 if route in ("/sleep", "/wake_up"):
                     if not fake.dev_mode:
@@ -208,6 +251,8 @@ class FakeVLLM:
                     fake.control.append(self.path)
                     if "weights" in fake.sleeping:
                         return self._send(500, b'{"detail":"the weights sleep"}')
+                    if self.path == "/update_weight_version":
+                        fake.weight_version = body.get("new_version")
                     if self.path == "/collective_rpc":
                         t0 = time.monotonic()
                         fake.reloading = True
@@ -228,6 +273,8 @@ class FakeVLLM:
                     return self._send(500, b'{"error":{"message":"asleep","type":"InternalServerError"}}')
                 t0, weights = time.monotonic(), fake.weights
                 time.sleep(fake.delay)
+                if self._failing():     # the outage began while it generated: lost with it
+                    return
                 with fake.lock:
                     fake.served.append((t0, time.monotonic(), weights, fake.weights))
                 self._send(*fake._completion(body, weights))
@@ -243,9 +290,34 @@ class FakeVLLM:
         if self._httpd is None:
             self._bind(self.port)
         if not self._serving:
-            threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
+            httpd = self._httpd
+            threading.Thread(target=lambda: httpd.serve_forever(poll_interval=0.05), daemon=True).start()
             self._serving = True
         return self
+
+    def outage(self, seconds: float, how: str = "refuse") -> threading.Thread:
+        """The backend is unavailable for `seconds`, then serves again, in a thread (returned:
+        join it to wait for the end). how: "refuse" closes its port and drops the connections
+        open to it (a killed server: connection refused); "503" answers every request 503 (up,
+        but not serving). Either way the completions it is generating then are lost. The window
+        is kept in self.outages."""
+        if how not in ("refuse", "503"):
+            raise ValueError(f"unknown outage {how!r}: refuse or 503")
+
+        def run():
+            t0 = time.monotonic()
+            self.failing = how
+            if how == "refuse":
+                self.down()
+            time.sleep(max(0.0, seconds - (time.monotonic() - t0)))
+            if how == "refuse":
+                self.up()
+            self.failing = None
+            self.outages.append((t0, time.monotonic(), how))
+
+        t = threading.Thread(target=run, name="fake-vllm-outage", daemon=True)
+        t.start()
+        return t
 
     def down(self) -> None:
         """Stops serving and closes the port: connections are refused until up()."""
@@ -254,6 +326,23 @@ class FakeVLLM:
                 self._httpd.shutdown()
             self._httpd.server_close()
             self._httpd, self._serving = None, False
+        with self.lock:      # a server that goes away takes its connections with it
+            conns, self._conns = list(self._conns), set()
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def restart(self, pause: float = 0.0) -> None:
+        """Like a restarted vLLM: down, then up on the same port serving its start-up weights
+        ("base"), untagged, awake."""
+        self.down()
+        time.sleep(pause)
+        with self.lock:
+            self.weights, self.weight_version, self.sleeping = "base", None, set()
+            self.restarts += 1
+        self.up()
 
     def __enter__(self):
         return self.up()

@@ -19,8 +19,9 @@ def synthetic_calls(tasks=2, seed=0, prefix="t", **shape):
 
 
 def write_calls(db: Path, calls, extra_records=()) -> None:
-    """Each call as the proxy records it (seq follows the order given); extra_records are
-    (session, record) pairs of plain dicts (SessionInfo's and CallRecord's fields), written as well."""
+    """Each call as the proxy records it (seq follows the order given, policy version 0);
+    extra_records are (session, record) pairs of plain dicts (SessionInfo's and CallRecord's
+    fields, policy_version 0 unless given), written as well."""
     w = CallWriter(db).start()
     futures = []
     for i, c in enumerate(calls):
@@ -28,10 +29,10 @@ def write_calls(db: Path, calls, extra_records=()) -> None:
             SessionInfo(c.session_id, task_id=c.group, source="api_key"),
             CallRecord(f"c{i}", style="openai_chat", status_code=200, started_at=time.time(),
                        prompt_token_ids=list(c.prompt), token_ids=list(c.tokens), logprobs=list(c.logprobs),
-                       finish_reason=c.finish_reason)))
+                       finish_reason=c.finish_reason, policy_version=0)))
     for j, (session, record) in enumerate(extra_records):
         futures.append(w.submit(SessionInfo(**session),
-                                CallRecord(**({"call_id": f"x{j}", "started_at": time.time()} | record))))
+                                CallRecord(**({"call_id": f"x{j}", "started_at": time.time(), "policy_version": 0} | record))))
     for f in futures:
         f.result(30)
     w.close()

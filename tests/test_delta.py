@@ -92,7 +92,7 @@ def test_the_calls_view_and_the_trainer_rebuild_every_call_exactly(tmp_path):
                 call_id=cid, request_text=text, status_code=502 if failed else 200,
                 prompt_token_ids=None if failed else prompt, token_ids=None if failed else tokens,
                 logprobs=None if failed else [-0.1] * len(tokens), error="x" if failed else None,
-                started_at=time.time())).result(10)
+                started_at=time.time(), policy_version=0)).result(10)
             expected[cid] = (text, None if failed else prompt, None if failed else tokens)
             if i % 5 == 2:
                 time.sleep(0.05)   # several loads, so bases come from earlier transactions too

@@ -118,7 +118,7 @@ def test_every_sdk_through_the_proxy_is_recorded_token_faithfully(proxy, tokeniz
         assert PROMPT in prompt
         assert tokenizer.decode(r["token_ids"], skip_special_tokens=True) == text, style
         assert len(r["token_ids"]) <= MAX
-        assert r["policy_version"] == "0"  # the gateway's version: no sync yet
+        assert r["policy_version"] == 0  # the gateway's version: no sync yet
 
 
 def test_sessions_from_keys_never_store_secrets(proxy, monkeypatch):

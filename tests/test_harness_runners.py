@@ -16,6 +16,11 @@ from procs import until
 from fake_vllm import MARKER, FakeVLLM
 
 CLIS = list(harnesses.PACKAGES)       # every harness of the registry that is a CLI
+# A node's gateway: session credentials checked (made under its control token), and the
+# sessions named as the loop names them (TASK@RUN.I~SAMPLE: an "@" that every client must
+# read as part of the proxy user, percent-encoded).
+TOKEN = "harness-runners-token"
+NODE_SETS = [f"polar_control_token={TOKEN}", "polar_session_auth=on"]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +75,8 @@ def run_task(proxy, tmp_path, task: str, name: str, launcher, timeout: int) -> t
     server = RolloutServer(str(proxy.db)).start()
     runtime = LocalRuntime(tmp_path / "sessions", keep=True)
     node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=proxy.port, ca_path=proxy.ca,
-                                  db=str(proxy.db), init_workers=1, run_workers=1, post_workers=1),
+                                  db=str(proxy.db), init_workers=1, run_workers=1, post_workers=1,
+                                  control_token=TOKEN),
                        runtime=runtime, launcher=launcher).start()
     try:
         server.submit({"task_id": task, "harness": name, "timeout": timeout,
@@ -92,17 +98,19 @@ def test_cli_completes_a_tool_loop_through_the_proxy(name, slow, scripted, start
     with a 0.3 s keepalive each streamed answer reaches the CLI as SSE headers, keepalives, then
     the events."""
     installed(name)
-    proxy = start_proxy(scripted.url, extra_sets=["polar_stream_keepalive=0.3"] if slow else None)
+    proxy = start_proxy(scripted.url, extra_sets=NODE_SETS + (["polar_stream_keepalive=0.3"] if slow else []))
     scripted.delay = (SLOW_ANSWER if name in SHORT_TIMERS else 1.2) if slow else 0.0
     seen = len(scripted.bodies)
-    task = f"loop-{name}"
+    task = f"loop-{name}@5f1c2a.{int(slow)}"
     try:
         s, logs = run_task(proxy, tmp_path, task, name, short_timers if slow else harnesses.launch, 240)
     finally:
         scripted.delay = 0.0
     assert s["state"] == "done" and s["reward"] == 1.0, f"{s}\n{logs}"
-    health = httpx.get("http://polar.health/_polar/health", proxy=proxy.proxy_url(), trust_env=False).json()
+    health = httpx.get("http://polar.health/_polar/health", proxy=proxy.proxy_url(), trust_env=False,
+                       headers={"authorization": f"Bearer {TOKEN}"}).json()
     assert (health["streams_kept_alive"] >= 2) if slow else (health["streams_kept_alive"] == 0), health
+    assert health["refused_calls"] == 0, health          # every call carried its session's credential
     sid = f"{task}~0"
     bodies = scripted.bodies[seen:]
     assert any(MARKER in r for r in tool_results(bodies)), "the tool's output never reached the model"

@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent / "polar_mitm"
 
 # Lower layers first; a module may import its own layer's modules and any lower layer's.
 LAYERS = [
-    {"polar_mitm.session_ids", "polar_mitm.interrupts", "polar_mitm.janitor", "polar_mitm.models", "polar_mitm.trainer_input"},
+    {"polar_mitm.session_ids", "polar_mitm.session_auth", "polar_mitm.interrupts", "polar_mitm.cli_params",
+     "polar_mitm.janitor", "polar_mitm.models", "polar_mitm.trainer_input"},
     {"polar_mitm.adapters", "polar_mitm.grpo"},
     {"polar_mitm.store"},
     {"polar_mitm.addons", "polar_mitm.rollout"},

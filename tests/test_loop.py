@@ -54,7 +54,7 @@ def test_two_iterations_of_the_loop_on_real_vllm_and_pi(vllm_backend, tmp_path):
     # every call of iteration i was sampled by version i (the gateway's own, never polled)
     _, rows = query(db, "SELECT split_part(split_part(session_id, '@', 2), '~', 1) AS it, "
                         "list(DISTINCT policy_version), count(*) FROM calls GROUP BY 1 ORDER BY 1")
-    assert rows == [(f"{run}.0", ["0"], rows[0][2]), (f"{run}.1", ["1"], rows[1][2])], rows
+    assert rows == [(f"{run}.0", [0], rows[0][2]), (f"{run}.1", [1], rows[1][2])], rows
     assert all(n >= 4 for *_, n in rows)
     # both iterations' sessions, rewards and training metrics, with SQL
     _, rows = query(db, "SELECT iteration, policy_version, calls > 0, loss IS NOT NULL, checkpoint "

@@ -21,7 +21,7 @@ def record(db, session: str, model: str, n: int, start: int) -> list:
                         CallRecord(call_id=f"{session}-{start + i}", style="openai_chat", status_code=200,
                                    requested_model=model, started_at=time.time(),
                                    prompt_token_ids=[1, 5, 6, start + i], token_ids=[7, 8], logprobs=[-0.5, -0.1],
-                                   finish_reason="stop")) for i in range(n)]
+                                   finish_reason="stop", policy_version=0)) for i in range(n)]
     for f in futures:
         f.result(30)
     w.close()

@@ -27,6 +27,17 @@ class BackendTimeout(AdapterError):
     status, kind = 504, "timeout"
 
 
+class NoWeightInfo(AdapterError):
+    """The backend cannot tell which weights it serves (no dev mode, a stand-in)."""
+    status, kind = 502, "api_error"
+
+
+def weight_tag(version: int) -> str:
+    """The tag a sync gives vLLM's weights: distinct from anything vLLM starts with, so a
+    restarted server (back on the weights of its command line) never passes for version N."""
+    return f"polar-v{version}"
+
+
 class BackendClient:
     def __init__(self):
         self.client: BackendHTTP | None = None
@@ -147,13 +158,44 @@ class BackendClient:
         steps: list[tuple[str, str, dict[str, Any]]] = [("wake", "/wake_up?tags=weights", {})] if wake else []
         steps += [("reload", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": checkpoint}})]
         steps += [("wake", "/wake_up?tags=kv_cache", {})] if wake else []
-        steps += [("reset", "/reset_prefix_cache", {}), ("reset", "/update_weight_version", {"new_version": str(version)})]
+        steps += [("reset", "/reset_prefix_cache", {}), ("reset", "/update_weight_version", {"new_version": weight_tag(version)})]
         seconds: dict[str, float] = {}
-        for step, path, body in steps:
+        for i, (step, path, body) in enumerate(steps):
             t0 = time.monotonic()
-            await self._dev_post(path, body, "to sync weights into it")
+            try:
+                await self._dev_post(path, body, "to sync weights into it")
+            except AdapterError as e:
+                # Refused outright at its first step (an answer, not a timeout or a lost
+                # connection): vLLM's weights are as they were. Anything else may have half
+                # reloaded them.
+                e.weights_untouched = i == 0 and isinstance(e, backend.BackendError)   # type: ignore[attr-defined]
+                raise
             seconds[f"{step}_s"] = seconds.get(f"{step}_s", 0.0) + time.monotonic() - t0
         return seconds
+
+    async def weight_version(self, http: BackendHTTP | None = None) -> str | None:
+        """vLLM's own weight version tag (GET /weight_info, dev mode): what the gateway set
+        at its last sync, or vLLM's default after a restart. NoWeightInfo where it has none.
+        http: another client of the same backend (the version watch's own connection)."""
+        try:
+            resp = await (http or self._http()).request("GET", "/weight_info", timeout=10)
+        except HTTPTimeout:
+            raise BackendTimeout("the model backend did not answer /weight_info") from None
+        except HTTPError as e:
+            raise BackendUnavailable(f"the model backend is unavailable: {e}") from None
+        if resp.status == 404:
+            raise NoWeightInfo("the model backend has no /weight_info (start vLLM with VLLM_SERVER_DEV_MODE=1)")
+        if resp.status != 200:
+            raise backend.backend_error(resp.status, resp.content)
+        try:
+            tag = orjson.loads(resp.content).get("weight_version")
+        except (orjson.JSONDecodeError, AttributeError):
+            raise backend.BackendError("the model backend's /weight_info answer is not valid") from None
+        return None if tag is None else str(tag)
+
+    async def set_weight_version(self, version: int) -> None:
+        """Tags what vLLM serves now as this policy version (dev mode)."""
+        await self._dev_post("/update_weight_version", {"new_version": weight_tag(version)}, "to tag its weights")
 
     async def sleep(self, level: int) -> None:
         """vLLM frees its GPU memory for the trainer (level 2: weights and KV cache are

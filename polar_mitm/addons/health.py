@@ -1,5 +1,7 @@
 """The health check, as an addon: launchers poll /_polar/health to know that the addon is
-loaded and answering, and it says how recording goes. The only place it is answered."""
+loaded and answering, and it says how recording goes. The only place it is answered. Where
+the gateway has a control token (a node's), only its holder reads it: sessions reach this
+proxy too, and the figures (calls, versions, refusals) are nothing of theirs."""
 
 from __future__ import annotations
 
@@ -11,23 +13,32 @@ from mitmproxy import ctx, http
 from polar_mitm.adapters.detect import split_path
 
 from . import sessions
+from .control import Control
 from .model_calls import ModelCalls
 from .policy_gate import PolicyGate
 from .recorder import Recorder
 from .relay import StreamRelay
+from .weight_sync import VersionWatch
 
 HEALTH_PATH = "/_polar/health"
+HEALTH_TOKEN_NEEDED = "the health check needs the proxy's control token"
 _JSON = {"content-type": "application/json"}
 
 
 class Health:
-    def __init__(self, recorder: Recorder, model_calls: ModelCalls, relay: StreamRelay, gate: PolicyGate):
+    def __init__(self, recorder: Recorder, model_calls: ModelCalls, relay: StreamRelay, gate: PolicyGate,
+                 control: Control | None = None, watch: VersionWatch | None = None):
         self.recorder, self.model_calls, self.relay, self.gate = recorder, model_calls, relay, gate
+        self.control, self.watch = control or Control(), watch
 
     def request(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None or split_path(flow.request.path)[0] != HEALTH_PATH:
             return
-        flow.response = http.Response.make(200, orjson.dumps(self.report()), _JSON)
+        if self.control.token and not self.control.authorized(flow):
+            flow.response = http.Response.make(403, orjson.dumps(
+                {"error": {"message": HEALTH_TOKEN_NEEDED}}), _JSON)
+        else:
+            flow.response = http.Response.make(200, orjson.dumps(self.report()), _JSON)
         # mitmdump prints the URL of every flow: a ?key= secret must not reach its log.
         flow.request.path = sessions.redact_query(flow.request.path)
 
@@ -45,5 +56,9 @@ class Health:
                 # acknowledged calls still only in the call log (readers get them on asking)
                 "log_pending": writer.pending_lines if writer else 0,
                 "loader": loader,
-                # the version sampling new calls; holding: a weight sync is under way
-                "policy": self.gate.state()}
+                # the version sampling new calls; holding: a weight sync is under way;
+                # verified: vLLM still serves it (version_check says how that was last seen)
+                "policy": self.gate.state(),
+                "version_check": self.watch.report() if self.watch else None,
+                # calls that named a session without its credential: refused, stored nowhere
+                "refused_calls": self.control.refused, "session_auth": self.control.session_auth}

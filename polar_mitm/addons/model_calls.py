@@ -29,6 +29,7 @@ from polar_mitm.store import CallRecord, SessionInfo
 
 from . import sessions
 from .backend_client import BackendClient
+from .control import Control
 from .bodies import (BodyTooLarge, bounded, decoded_body, depth_ok, has_image, header_dict, is_websocket,
                      MAX_BODY_DEPTH)
 from .policy_gate import PolicyGate
@@ -127,9 +128,10 @@ def unforwardable(body: Any, e: Exception) -> AdapterError:
 
 class ModelCalls:
     def __init__(self, backend_client: BackendClient, users: ProxyUsers, relay: StreamRelay,
-                 recorder: Recorder, gate: PolicyGate | None = None):
+                 recorder: Recorder, gate: PolicyGate | None = None, control: Control | None = None):
         self.backend, self.users, self.relay, self.recorder = backend_client, users, relay, recorder
         self.gate = gate or PolicyGate()   # which policy version samples each call
+        self.control = control or Control()   # whose calls may be stored (polar_session_auth)
         self.overrides: dict[str, Any] = {}
         self.harness_sampling = False                       # polar_harness_sampling
         self.filters: dict[str, re.Pattern | None] = {}   # polar_model_hosts/_paths
@@ -235,6 +237,8 @@ class ModelCalls:
         # mitmdump prints the URL of every flow: a ?key= secret must not reach its log.
         query = split_path(req.path)[1]
         req.path = sessions.redact_query(req.path)
+        if self._refused(flow, style, query):
+            return
         call = self.begin(flow, style, body, text, query)
         answer = asyncio.ensure_future(self.finish(call, body))
         del body   # the call holds it only as long as it needs it (see _serve)
@@ -258,9 +262,24 @@ class ModelCalls:
         if (flow.response is None and flow.error and "body_size_limit" in flow.error.msg
                 and self.may_be_model_call(flow.request)):
             style = adapters.detect(flow.request.method, flow.request.path, header_dict(flow.request))
-            if style:
+            if style and not self._refused(flow, style, split_path(flow.request.path)[1]):
                 too_large = BodyTooLarge(f"request body is larger than polar_max_body ({self.max_body} bytes)")
                 await self.finish(self.begin(flow, style, too_large, None, split_path(flow.request.path)[1]), None)
+
+    def _refused(self, flow: http.HTTPFlow, style: str, query: str) -> bool:
+        """With polar_session_auth on, a call that names a session without that session's
+        credential gets a 403 in its provider's shape, is counted, and is stored nowhere: a
+        session cannot write into a sibling's trajectory by naming it."""
+        claim = self._claim(flow, query)
+        if self.control.may_store(claim.session.session_id, claim.session.source, claim.credential):
+            return False
+        self.control.refused += 1
+        log.warning("polar: refused a call naming session %r without its credential (from %s)",
+                    claim.session.session_id[:200], claim.session.client)
+        adapter = adapters.adapter(style)
+        message = "this call does not carry the credential of the session it names (polar_session_auth)"
+        flow.response = http.Response.make(403, orjson.dumps(adapter.error(403, message, "authentication")), _JSON)
+        return True
 
     def may_be_model_call(self, req: http.Request) -> bool:
         hosts, paths = self.filters.get("polar_model_hosts"), self.filters.get("polar_model_paths")
@@ -363,7 +382,7 @@ class ModelCalls:
         q0 = time.perf_counter()
         # Inside the gate the weights cannot change: a sync waits for this call, and a call
         # that arrives during a sync waits for it (queue_ms counts both waits).
-        async with self.gate.call() as policy:
+        async with self.gate.call() as ticket:
             if slots:
                 await slots.acquire()
             try:
@@ -380,7 +399,7 @@ class ModelCalls:
         self._prompt_sizes[session_id] = (text_len, usage["prompt_tokens"])
         if len(self._prompt_sizes) > 10_000:
             self._prompt_sizes.pop(next(iter(self._prompt_sizes)))
-        record.status_code, record.response_json, record.policy_version = 200, answer, str(policy)
+        record.status_code, record.response_json, record.policy_version = 200, answer, ticket.version
         record.prompt_token_ids = prompt_ids or b"[]"
         record.token_ids, record.logprobs = tokens["token_ids"], tokens["logprobs"]
         record.finish_reason, record.usage_json = result["finish_reason"], usage
@@ -413,7 +432,10 @@ class ModelCalls:
         body["max_tokens"] = max(1, min(wanted, limit - count))
 
     def _session(self, flow: http.HTTPFlow, query: str) -> SessionInfo:
-        return sessions.attribute(
-            headers=header_dict(flow.request), query=query, proxy_auth_user=self.users.user(flow),
+        return self._claim(flow, query).session
+
+    def _claim(self, flow: http.HTTPFlow, query: str) -> sessions.Claim:
+        return sessions.claim(
+            headers=header_dict(flow.request), query=query, proxy=self.users.auth(flow),
             client_host=flow.client_conn.peername[0] if flow.client_conn.peername else "unknown",
             salt=self.recorder.salt(), scheme=ctx.options.polar_session_key)

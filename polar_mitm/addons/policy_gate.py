@@ -5,7 +5,14 @@ tagged with the version in force when it entered. A sync (1) holds new calls (th
 are not refused: a streaming client gets keepalives meanwhile), (2) lets the calls in flight
 finish, (3) swaps the weights (vLLM reloads the checkpoint in place and resets its prefix
 cache), (4) sets the new version, and (5) releases the held calls. So no call straddles a
-sync, and the version is the gateway's own, never polled. Pure asyncio: no mitmproxy here."""
+sync, and the version is the gateway's own.
+
+The backend can still change under the gateway (a restart puts vLLM back on the weights of its
+command line). Whoever notices (weight_sync.VersionWatch) calls lost(): the version is then
+unverified and every call records None ("unknown", never trained) until a sync or a re-sync
+sets it again; a call in flight when it was lost records None too, and the epoch counts the
+losses, so a node can tell whether any came during one of its sessions. Pure asyncio: no
+mitmproxy here."""
 
 from __future__ import annotations
 
@@ -14,6 +21,14 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
+
+
+@dataclass
+class Ticket:
+    """A call's pass through the gate: the version that samples it, None where the gateway
+    cannot vouch for it (read it once the call is answered: a loss during the call clears it)."""
+    version: int | None
+    epoch: int
 
 
 @dataclass
@@ -38,6 +53,8 @@ class PolicyGate:
         self._idle: asyncio.Event | None = None
         self._syncing: asyncio.Lock | None = None
         self.asleep = False     # the backend sleeps (colocated with the trainer): calls are held
+        self.verified = True    # the backend serves `version` as far as the gateway knows
+        self.epoch = 0          # times the gateway lost track of what the backend serves
 
     def _events(self) -> tuple[asyncio.Event, asyncio.Event, asyncio.Lock]:
         if self._open is None or self._idle is None or self._syncing is None:   # made on the loop that uses them
@@ -49,11 +66,26 @@ class PolicyGate:
     def state(self) -> dict:
         holding = self._open is not None and not self._open.is_set()
         return {"version": self.version, "checkpoint": self.checkpoint, "holding": holding,
-                "held": self.held, "in_flight": self.in_flight, "asleep": self.asleep}
+                "held": self.held, "in_flight": self.in_flight, "asleep": self.asleep,
+                "verified": self.verified, "epoch": self.epoch}
+
+    def lost(self) -> bool:
+        """The backend no longer serves what the gateway set (it restarted, someone else
+        synced it): calls record None until the next sync. True the first time."""
+        if not self.verified:
+            return False
+        self.verified = False
+        self.epoch += 1
+        return True
+
+    def vouch(self) -> None:
+        """The backend is seen to serve `version` again (its tag read back): later calls
+        record it. The epoch stays: calls that ran while it was lost keep None."""
+        self.verified = True
 
     @asynccontextmanager
-    async def call(self) -> AsyncIterator[int]:
-        """Around a call's trip to the backend; yields the version that samples it."""
+    async def call(self) -> AsyncIterator[Ticket]:
+        """Around a call's trip to the backend; yields its ticket (the version that samples it)."""
         is_open, idle, _ = self._events()
         if not is_open.is_set():
             self.held += 1
@@ -65,9 +97,12 @@ class PolicyGate:
         # no await between the check and the count: a sync cannot begin in between
         self.in_flight += 1
         idle.clear()
+        ticket = Ticket(self.version if self.verified else None, self.epoch)
         try:
-            yield self.version
+            yield ticket
         finally:
+            if self.epoch != ticket.epoch:      # lost while it ran: who served it is unknown
+                ticket.version = None
             self.in_flight -= 1
             if not self.in_flight:
                 idle.set()
@@ -107,8 +142,13 @@ class PolicyGate:
         the swap fails the old version stays in force (and the error is raised), and a
         sleeping backend keeps the calls held."""
         async def go() -> dict | None:
-            steps = await swap(self.asleep)
-            self.version, self.checkpoint, self.asleep = version, checkpoint, False
+            try:
+                steps = await swap(self.asleep)
+            except BaseException as e:
+                if not getattr(e, "weights_untouched", False):
+                    self.lost()      # half a swap (reloaded, not tagged): what serves is unknown
+                raise
+            self.version, self.checkpoint, self.asleep, self.verified = version, checkpoint, False, True
             return steps
         steps, drained, held, drain_s, swap_s = await self._while_held(go)
         return SyncReport(version, checkpoint, held, drained, drain_s, swap_s, drain_s + swap_s, steps)

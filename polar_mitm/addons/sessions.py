@@ -12,8 +12,10 @@ import base64
 import binascii
 import hashlib
 import re
-from typing import Mapping
+from typing import Mapping, NamedTuple
+from urllib.parse import unquote
 
+from polar_mitm.session_auth import CREDENTIAL_SEPARATOR
 from polar_mitm.session_ids import task_of      # the session-id rule's one place
 from polar_mitm.store.records import SessionInfo
 
@@ -39,23 +41,44 @@ def api_key(headers: Mapping[str, str], query: str = "") -> str | None:
     return None
 
 
-def proxy_user(proxy_authorization: str | None) -> str | None:
-    """User name from a Basic Proxy-Authorization header (the password is ignored)."""
+class ProxyAuth(NamedTuple):
+    user: str
+    password: str      # a node's session credential, or anything ("x") by hand
+
+
+def proxy_auth(proxy_authorization: str | None) -> ProxyAuth | None:
+    """User and password from a Basic Proxy-Authorization header. Both are percent-decoded:
+    a client that sends the URL's userinfo as written (%40 for "@") names the same session
+    as one that decodes it first (curl, requests, undici); a name never holds "%"."""
     if not proxy_authorization or not proxy_authorization.lower().startswith("basic "):
         return None
     try:
         decoded = base64.b64decode(proxy_authorization[6:].strip(), validate=True).decode()
     except (binascii.Error, UnicodeDecodeError):
         return None
-    user = decoded.partition(":")[0]
-    return user or None
+    user, _, password = decoded.partition(":")
+    return ProxyAuth(unquote(user), unquote(password)) if user else None
+
+
+def proxy_user(proxy_authorization: str | None) -> str | None:
+    """User name from a Basic Proxy-Authorization header."""
+    auth = proxy_auth(proxy_authorization)
+    return auth.user if auth else None
 
 
 def key_session(key: str, salt: str) -> tuple[str, str]:
     if key.startswith(SESSION_KEY_PREFIX) and len(key) > len(SESSION_KEY_PREFIX):
-        return clean(key[len(SESSION_KEY_PREFIX):]), "api_key"
+        name = key[len(SESSION_KEY_PREFIX):].partition(CREDENTIAL_SEPARATOR)[0]
+        return clean(name), "api_key"
     digest = hashlib.sha256(f"{salt}:{key}".encode()).hexdigest()[:16]
     return f"key-{digest}", "key_hash"
+
+
+def key_credential(key: str | None) -> str | None:
+    """The credential in a session's API key (polar-NAME,CREDENTIAL), if any."""
+    if not key or not key.startswith(SESSION_KEY_PREFIX):
+        return None
+    return key.partition(CREDENTIAL_SEPARATOR)[2] or None
 
 
 def clean(name: str) -> str:
@@ -67,21 +90,37 @@ def user_agent_product(user_agent: str) -> str:
     return clean(product.lower()) or "unknown"
 
 
-def attribute(*, headers: Mapping[str, str], query: str, proxy_auth_user: str | None,
-              client_host: str, salt: str, scheme: str = "auto") -> SessionInfo:
-    """The session a call belongs to."""
+class Claim(NamedTuple):
+    """The session a call names, and the credential that came with the name (never stored)."""
+    session: SessionInfo
+    credential: str | None
+
+
+def claim(*, headers: Mapping[str, str], query: str, proxy: ProxyAuth | None,
+          client_host: str, salt: str, scheme: str = "auto") -> Claim:
+    """The session a call belongs to, and the credential that names it (the proxy
+    password, or the API key's part after ",")."""
     ua = {k.lower(): v for k, v in headers.items()}.get("user-agent", "")
-    session_id = source = None
-    if scheme in ("auto", "proxy-user") and proxy_auth_user:
-        session_id, source = clean(proxy_auth_user), "proxy_user"
+    session_id = source = credential = None
+    if scheme in ("auto", "proxy-user") and proxy:
+        session_id, source, credential = clean(proxy.user), "proxy_user", proxy.password or None
     if session_id is None and scheme in ("auto", "api-key"):
         key = api_key(headers, query)
         if key:
             session_id, source = key_session(key, salt)
+            credential = key_credential(key)
     if session_id is None:
         session_id, source = f"default-{client_host}-{user_agent_product(ua)}", "default"
-    return SessionInfo(session_id, task_id=task_of(session_id), source=source, client=client_host,
-                       user_agent=ua[:300])
+    return Claim(SessionInfo(session_id, task_id=task_of(session_id), source=source, client=client_host,
+                             user_agent=ua[:300]), credential)
+
+
+def attribute(*, headers: Mapping[str, str], query: str, proxy_auth_user: str | None,
+              client_host: str, salt: str, scheme: str = "auto") -> SessionInfo:
+    """The session a call belongs to."""
+    proxy = ProxyAuth(proxy_auth_user, "") if proxy_auth_user else None
+    return claim(headers=headers, query=query, proxy=proxy, client_host=client_host, salt=salt,
+                 scheme=scheme).session
 
 
 def redact_query(path: str) -> str:

@@ -1,15 +1,32 @@
 """Weight syncs through the gateway, as an addon: `POST /_polar/sync` with the control
-token (`polar_control_token`; empty: no syncs) and `{"checkpoint": DIR, "version": N}`
+token (control.py; none: no syncs) and `{"checkpoint": DIR, "version": N}`
 holds new model calls, lets those in flight finish, has vLLM reload DIR in place, resets
-its prefix cache, sets version N and releases the held calls (policy_gate.py). Every call
-is recorded with the integer version that sampled it; it starts at polar_policy_version.
-`POST /_polar/sleep {"level": 1|2}` (one GPU shared with the trainer) holds and drains the
-same way, then puts vLLM to sleep; calls stay held until the next sync wakes it."""
+its prefix cache, tags its weights polar-vN and releases the held calls (policy_gate.py).
+Every call is recorded with the integer version that sampled it; it starts at
+polar_policy_version. `POST /_polar/sleep {"level": 1|2}` (one GPU shared with the trainer)
+holds and drains the same way, then puts vLLM to sleep; calls stay held until the next sync
+wakes it.
+
+The version watch: vLLM can change under the gateway (restarted: back on its command line's
+weights). Every polar_version_check seconds, off the calls' path, the gateway reads vLLM's
+tag (/weight_info) over a connection of its own that it keeps open; so does every sync
+before it swaps, and `POST /_polar/verify` (a node, when a session ends). A tag that is not
+the one the gateway set means the gateway lost track: calls record version None (never
+trained) and the epoch goes up (a node releases the sessions that ran across it); where the
+gateway knows the checkpoint of its version it reloads it at once (a re-sync: held, drained,
+reloaded, tagged) and vouches again.
+
+The kept connection is what makes a restart exact rather than seen up to a poll late: a
+server process takes its connections with it, so the watch sees the end of that one the
+moment the old process dies, before a new one can answer any call; calls in flight then, and
+after, record None until the tag is read back. (A close for another reason costs those calls
+their version too, and the next check vouches again: the tag is still the gateway's.)"""
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import logging
+import time
 from dataclasses import asdict
 
 import orjson
@@ -18,29 +35,188 @@ from mitmproxy import ctx, exceptions, http
 from polar_mitm.adapters.chat import AdapterError
 from polar_mitm.adapters.detect import split_path
 
-from .backend_client import BackendClient
+from .backend_client import BackendClient, NoWeightInfo, weight_tag
+from .backend_http import BackendHTTP
+from .control import Control
 from .policy_gate import PolicyGate
 
 log = logging.getLogger("polar")
 
 SYNC_PATH = "/_polar/sync"
 SLEEP_PATH = "/_polar/sleep"
+VERIFY_PATH = "/_polar/verify"
 _JSON = {"content-type": "application/json"}
 
 
+class VersionWatch:
+    """Whether vLLM still serves what the gateway set: its tag read back, off the calls' path."""
+
+    def __init__(self, backend_client: BackendClient, gate: PolicyGate):
+        self.backend, self.gate = backend_client, gate
+        self.state = "unchecked"       # ok | lost | unavailable (no /weight_info) | error
+        self.error: str | None = None
+        self.checked_at: float | None = None     # wall clock of the last check that read a tag
+        self.checks = self.losses = self.resyncs = 0
+        # The tag the gateway set (a sync, or at start where it knows what vLLM serves); None:
+        # it set none yet, and the first tag read is taken as what serves its version.
+        self.expected: str | None = None
+        self.connection_ends = 0          # the kept connection ended (a restart, or a close)
+        self._kept: BackendHTTP | None = None   # the watch's own connection to the backend
+        self._kept_base = ""
+        self._lock: asyncio.Lock | None = None
+        self._resyncing = False
+        self._suspect = False    # lost only because the kept connection ended
+
+    def report(self) -> dict:
+        return {"state": self.state, "error": self.error, "checked_at": self.checked_at, "checks": self.checks,
+                "losses": self.losses, "resyncs": self.resyncs, "connection_ends": self.connection_ends}
+
+    async def check(self, kept: bool = False) -> str:
+        """Read vLLM's tag now (kept: over the watch's own connection); a foreign one loses
+        the gateway's version (and re-syncs it where its checkpoint is known). Returns the
+        state."""
+        async with self.lock():
+            if self.gate.asleep or self.state == "unavailable":
+                return self.state
+            try:
+                tag = await self.backend.weight_version(self._kept_client() if kept else None)
+            except NoWeightInfo as e:
+                self.state, self.error = "unavailable", str(e)
+                log.warning("polar: %s: the gateway cannot tell a restarted backend; versions are as synced", e)
+                return self.state
+            except AdapterError as e:      # down, slow: a restart shows once it answers again
+                self.state, self.error = "error", str(e)
+                return self.state
+            self.checks += 1
+            self.checked_at = time.time()
+            if self.expected is None:
+                # The first tag read: an untagged vLLM (a fresh process nobody synced) is
+                # tagged as the version the gateway starts with, so that a restart shows;
+                # one already tagged (a sync's, maybe another gateway's) is taken as it is.
+                if tag is None:
+                    try:
+                        await self.backend.set_weight_version(self.gate.version)
+                        tag = weight_tag(self.gate.version)
+                    except AdapterError as e:
+                        self.state, self.error = "error", str(e)
+                        return self.state
+                self.expected = tag
+            expected = self.expected
+            if tag == expected:
+                if not self.gate.verified and self._suspect:
+                    self.gate.vouch()     # only its connection had ended: the weights are still its own
+                self._suspect = False
+                self.state, self.error = ("ok" if self.gate.verified else "lost"), None
+            else:
+                self._suspect = False
+                self.state, self.error = "lost", f"the backend's weights are tagged {tag!r}, not {expected!r}"
+                if self.gate.lost():
+                    self.losses += 1
+                    log.error("polar: version %d is no longer served (%s): calls record no version until a sync",
+                              self.gate.version, self.error)
+        if not self.gate.verified and self.gate.checkpoint and not self.gate.asleep and not self._resyncing:
+            await self._resync()
+        return self.state
+
+    def lock(self) -> asyncio.Lock:
+        """Held by a check, and by a sync's swap: a check never reads a tag half-way through one."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    async def _resync(self) -> None:
+        version, checkpoint = self.gate.version, self.gate.checkpoint
+        if checkpoint is None:
+            return
+        self._resyncing = True
+        try:
+            await self.gate.sync(lambda wake: self.backend.swap_weights(checkpoint, version, wake), version, checkpoint)
+        except AdapterError as e:
+            log.error("polar: re-syncing version %d from %s failed (tried again at the next check): %s",
+                      version, checkpoint, e)
+            return
+        finally:
+            self._resyncing = False
+        self.resyncs += 1
+        self.expected = weight_tag(version)
+        self.state, self.error = "ok", None
+        log.warning("polar: the backend serves version %d again (reloaded %s)", version, checkpoint)
+
+    def _kept_client(self) -> BackendHTTP:
+        """A client of its own with one kept-alive connection (rebuilt if polar_backend changes)."""
+        if self._kept is None or self._kept.closed or self._kept_base != self.backend.base:
+            self.close()
+            self._kept = BackendHTTP(self.backend.base, timeout=10, connect_timeout=5, max_idle=1)
+            self._kept_base = self.backend.base
+        return self._kept
+
+    async def _connection_ended(self, timeout: float) -> bool:
+        """Waits up to timeout; True as soon as the kept connection ends (EOF: the server
+        closed it, or its process died)."""
+        idle = self._kept._idle if self._kept is not None else []
+        if not idle:                      # none kept (the server closes after each answer)
+            await asyncio.sleep(timeout)
+            return False
+        reader, writer = idle[0]
+        try:
+            await asyncio.wait_for(reader.read(1), timeout)
+        except TimeoutError:
+            return False
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        idle.clear()
+        writer.close()
+        return True
+
+    def _lost_connection(self) -> None:
+        self.connection_ends += 1
+        if self.expected is not None and self.state == "ok" and self.gate.lost():
+            self._suspect = True          # the next check tells a restart from a close
+            self.losses += 1
+            log.warning("polar: the backend closed the version watch's connection (a restart?): calls record "
+                        "no version until its weights' tag is read back")
+
+    async def run(self, every: float) -> None:
+        while True:
+            try:
+                if await self._connection_ended(every):
+                    self._lost_connection()
+                await self.check(kept=True)
+            except asyncio.CancelledError:
+                raise
+            except Exception:   # a watch that dies quietly would vouch for nothing
+                log.exception("polar: the version check failed")
+                await asyncio.sleep(every)
+
+    def close(self) -> None:
+        if self._kept is not None:
+            kept, self._kept = self._kept, None
+            try:
+                asyncio.get_running_loop().create_task(kept.aclose())
+            except RuntimeError:
+                kept.closed = True
+
+
 class WeightSync:
-    def __init__(self, backend_client: BackendClient):
+    def __init__(self, backend_client: BackendClient, control: Control | None = None):
         self.backend = backend_client
+        self.control = control or Control()
         self.gate = PolicyGate()
+        self.watch = VersionWatch(backend_client, self.gate)
         self.syncs = 0
+        self.check_every = 1.0
+        self._task: asyncio.Task | None = None
 
     def load(self, loader):
         loader.add_option("polar_policy_version", str, "0",
                           "Policy version of the weights the backend serves at start (an "
                           "integer); each sync through /_polar/sync sets the next.")
-        loader.add_option("polar_control_token", str, "",
-                          "Bearer token that /_polar/sync requires (empty: syncs are off). "
-                          "Harnesses reach the proxy too: keep it secret from them.")
+        loader.add_option("polar_policy_checkpoint", str, "",
+                          "The weights the backend serves at start (a directory): with it, "
+                          "the gateway reloads them itself when the backend restarts.")
+        loader.add_option("polar_version_check", str, "1",
+                          "Seconds between checks that the backend still serves the version "
+                          "the gateway set (vLLM's /weight_info; 0: off).")
 
     def configure(self, updated):
         if "polar_policy_version" in updated:
@@ -51,23 +227,53 @@ class WeightSync:
                                               f"{ctx.options.polar_policy_version!r}") from None
             if self.syncs == 0:   # a sync's version is not undone by a later --set
                 self.gate.version = version
+        if "polar_policy_checkpoint" in updated and self.syncs == 0:
+            self.gate.checkpoint = ctx.options.polar_policy_checkpoint or None
+        if "polar_version_check" in updated:
+            try:
+                every = float(ctx.options.polar_version_check)
+            except ValueError:
+                every = -1.0
+            if not 0 <= every <= 3600:
+                raise exceptions.OptionsError("polar_version_check: seconds from 0 (off) to 3600, "
+                                              f"got {ctx.options.polar_version_check!r}")
+            self.check_every = every
+
+    async def running(self) -> None:
+        if not self.check_every:
+            return
+        self._task = asyncio.get_running_loop().create_task(self.watch.run(self.check_every))
+
+    def done(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        self.watch.close()
 
     async def request(self, flow: http.HTTPFlow):
         path = split_path(flow.request.path)[0] if flow.response is None else None
-        if path not in (SYNC_PATH, SLEEP_PATH):
+        if path not in (SYNC_PATH, SLEEP_PATH, VERIFY_PATH):
             return
         req = flow.request
-        token = ctx.options.polar_control_token
-        given = req.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not token or not hmac.compare_digest(given.encode(), token.encode()):
-            flow.response = _error(403, "syncs need the proxy's control token (polar_control_token)")
+        if not self.control.authorized(flow):
+            flow.response = _error(403, "this needs the proxy's control token")
         elif req.method != "POST":
-            flow.response = _error(405, f"POST {SYNC_PATH} {{\"checkpoint\": DIR, \"version\": N}} or "
-                                        f"POST {SLEEP_PATH} {{\"level\": 1|2}}")
+            flow.response = _error(405, f"POST {SYNC_PATH} {{\"checkpoint\": DIR, \"version\": N}}, "
+                                        f"POST {SLEEP_PATH} {{\"level\": 1|2}} or POST {VERIFY_PATH}")
         elif path == SLEEP_PATH:
             flow.response = await self._sleep(req)
+        elif path == VERIFY_PATH:
+            flow.response = await self._verify()
         else:
             flow.response = await self._sync(req)
+
+    async def _verify(self) -> http.Response:
+        """A fresh check of vLLM's tag, and the gate's epoch: a node compares it with the one
+        it read when a session started."""
+        state = await self.watch.check()
+        body = {"state": state, "verified": self.gate.verified, "epoch": self.gate.epoch,
+                "version": self.gate.version, "error": self.watch.error}
+        return http.Response.make(200, orjson.dumps(body), _JSON)
 
     async def _sleep(self, req: http.Request) -> http.Response:
         try:
@@ -92,9 +298,26 @@ class WeightSync:
                 raise TypeError
         except (orjson.JSONDecodeError, KeyError, TypeError):
             return _error(400, 'expected {"checkpoint": "DIR", "version": INTEGER}')
+        async def swap(wake: bool):
+            async with self.watch.lock():
+                return await checked_swap(wake)
+
+        async def checked_swap(wake: bool):
+            # What served the calls since the last check: a foreign tag here loses them too.
+            expected = self.watch.expected
+            if not wake and expected is not None and self.watch.state != "unavailable":
+                try:
+                    tag = await self.backend.weight_version()
+                except AdapterError:
+                    tag = expected        # down or without the endpoint: the watch says so on its own
+                if tag != expected and self.gate.lost():
+                    self.watch.losses += 1
+                    log.error("polar: before the sync, the backend's weights were tagged %r, not %r", tag, expected)
+            steps = await self.backend.swap_weights(checkpoint, version, wake)
+            self.watch.expected = weight_tag(version)
+            return steps
         try:
-            report = await self.gate.sync(lambda wake: self.backend.swap_weights(checkpoint, version, wake),
-                                          version, checkpoint)
+            report = await self.gate.sync(swap, version, checkpoint)
         except AdapterError as e:
             log.error("polar: the weight sync to version %d failed: %s", version, e)
             return _error(502, f"the weight sync failed; version {self.gate.version} still serves: {e}")

@@ -19,10 +19,22 @@ class GroupStats(NamedTuple):
 
 
 def group_stats(values: Sequence[float]) -> GroupStats:
-    """n, mean and population std of a non-empty group of rewards (or advantages)."""
+    """n, mean and population std of a non-empty group of rewards (or advantages). Any
+    finite values give finite figures: past _LARGE they are computed scaled by the largest
+    magnitude (1e200 squared overflowed: OverflowError, and every rerun read it again). A
+    nan or inf among them gives nan, never an exception."""
     n = len(values)
+    if not all(map(math.isfinite, values)):
+        return GroupStats(n, math.nan, math.nan)
+    scale = max(map(abs, values))
+    if scale > _LARGE:
+        scaled = group_stats([x / scale for x in values])
+        return GroupStats(n, scaled.mean * scale, scaled.std * scale)
     mean = sum(values) / n
     return GroupStats(n, mean, math.sqrt(sum((x - mean) ** 2 for x in values) / n))
+
+
+_LARGE = 1e100   # values up to this: their squares and sums stay far from float's 1.8e308
 
 
 def no_signal(stats: GroupStats, eps: float = AdvantageConfig.eps) -> bool:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .. import session_auth
 from ..models import cache_dir
 
 
@@ -41,6 +42,7 @@ class RunContext:
     home: Path
     workdir: Path
     command: str | None = None     # the `command` harness's shell line
+    credential: str | None = None  # the session's credential (session_auth.py), where the gateway checks them
 
 
 @dataclass(frozen=True)
@@ -130,11 +132,13 @@ def executable(name: str) -> Path:
 
 # The variables through which a harness's runtime gets the proxy's CA (the sandbox gives it
 # the certificate file they name, bwrap.py).
-CA_VARS = ("NODE_EXTRA_CA_CERTS", "SSL_CERT_FILE", "CODEX_CA_CERTIFICATE", "REQUESTS_CA_BUNDLE")
+CA_VARS = ("NODE_EXTRA_CA_CERTS", "SSL_CERT_FILE", "CODEX_CA_CERTIFICATE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
 
 
 def proxy_env(ctx: RunContext) -> dict[str, str]:
-    proxy = f"http://{ctx.session_id}:x@127.0.0.1:{ctx.proxy_port}"
+    # The name percent-encoded (a run id's "@" would end the userinfo for curl and undici),
+    # the credential as the password.
+    proxy = session_auth.proxy_url(ctx.session_id, ctx.proxy_port, ctx.credential)
     return {"HTTPS_PROXY": proxy, "HTTP_PROXY": proxy, "https_proxy": proxy, "http_proxy": proxy,
             "ALL_PROXY": proxy, "NO_PROXY": "", "no_proxy": "", **{v: ctx.ca_path for v in CA_VARS}}
 
@@ -150,8 +154,9 @@ def base_env(ctx: RunContext) -> dict[str, str]:
 
 
 def session_key(ctx: RunContext) -> str:
-    """The API key a harness sends: it names the session too (the proxy user wins)."""
-    return f"polar-{ctx.session_id}"
+    """The API key a harness sends: it names the session too, with its credential (the proxy
+    user wins)."""
+    return session_auth.api_key(ctx.session_id, ctx.credential)
 
 
 _CODEX_CONFIG = """\

@@ -13,8 +13,15 @@ own gateway (and so its vLLM) to it, in its own thread, and reports what it serv
 
 With its model backend's URL, the node probes it every few seconds. While it does not answer
 the node pauses: it takes no new work and starts no harness (prepared sessions wait in
-READY), and a session whose run saw the backend go down is handed back ("released": it runs
-again, and that never counts as a failed attempt) instead of failing on 503s.
+READY). A session whose model calls failed because of the backend (as the gateway recorded
+them: refused connections, timeouts, vLLM's 5xx; however short the outage), whose calls have
+no known policy version, or whose run saw the probe find the backend down, is handed back
+("released": it runs again, and that never counts as a failed attempt) instead of being
+scored: the backend's failures are not the policy's.
+
+Each session's output is kept: the harness's stdout and stderr (a bounded tail) and the
+evaluator's, with session credentials redacted, in its stats ("harness_output",
+"eval_output"), which the server stores in rollout_sessions.
 """
 
 from __future__ import annotations
@@ -22,17 +29,18 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import re
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import httpx
 from typing_extensions import Unpack
 
-from .. import session_ids
+from .. import session_auth, session_ids
 from ..store import rollout_journal as journal
 from ..store import set_reward
 from . import harnesses
@@ -40,7 +48,7 @@ from .protocol import (Assignment, EventDetail, Heartbeat, HeartbeatReply, NodeL
                        SessionEvent)
 from .runtime import LocalRuntime, Runtime, RunResult, Sandbox, SetupError
 from .spec import TaskError, TaskRequest, parse_reward, task_from_json
-from .states import OUTCOMES, TERMINAL, Session
+from .states import OUTCOMES, RELEASE_CAUSE, TERMINAL, ReleaseCause, Session
 
 log = logging.getLogger("polar.node")
 
@@ -72,6 +80,8 @@ class Work:
     stats: dict[str, Any] = field(default_factory=dict)
     result: RunResult | Exception | None = None   # the harness's run, or why it could not start
     outages: int | None = None        # the node's backend outages when its harness started
+    calls: dict[str, Any] | None = None   # its call stats (journal.call_stats), read once it ran
+    epoch: int | None = None          # the gateway's epoch (its losses of the backend's weights) at RUN
 
     @property
     def box(self) -> Sandbox:
@@ -79,6 +89,37 @@ class Work:
         if self.sandbox is None:
             raise RuntimeError(f"{self.session_id} has no sandbox")
         return self.sandbox
+
+
+OUTPUT_CHARS = 4000    # the tail of the harness's and of the evaluator's output that is kept
+
+# A session's credential, wherever its output shows it (session_auth.py): the API key
+# polar-NAME,CREDENTIAL and the proxy URL's password http://NAME:CREDENTIAL@host.
+_SECRETS = (re.compile(r"(polar-[^\s,]*,)[0-9a-f]{32}"), re.compile(r"(://[^/\s:@]*:)[0-9a-f]{32}@"))
+
+
+def redact(text: str) -> str:
+    """Output with every session credential replaced, as it may be kept."""
+    text = _SECRETS[0].sub(r"\1[redacted]", text)
+    return _SECRETS[1].sub(r"\1[redacted]@", text)
+
+
+def release_cause(stats: Mapping[str, Any]) -> tuple[ReleaseCause, str] | None:
+    """Why a session must not be scored, from its recorded calls (journal.call_stats): some
+    failed because of the model backend, or were served with no known policy version. None:
+    its calls are the policy's own (failed requests of its own included)."""
+    calls = stats.get("calls") or 0
+    failed = stats.get("backend_failed_calls") or 0
+    if failed:
+        kinds = ", ".join(stats.get("backend_error_kinds") or []) or "backend errors"
+        return (ReleaseCause.BACKEND_UNAVAILABLE,
+                f"backend unavailable: {failed} of its {calls} model calls failed on the model backend ({kinds})")
+    unknown = stats.get("unknown_version_calls") or 0
+    if unknown:
+        return (ReleaseCause.VERSION_UNKNOWN,
+                f"policy version unknown: {unknown} of its {calls} model calls were served by weights "
+                f"the gateway could not verify")
+    return None
 
 
 def probe_backend(url: str, timeout: float = 5.0) -> str | None:
@@ -100,6 +141,8 @@ class GatewayNode:
     def __init__(self, cfg: NodeConfig, runtime: Runtime | None = None,
                  launcher: Callable[[str, harnesses.RunContext], harnesses.Launch] = harnesses.launch):
         self.cfg = cfg
+        if cfg.control_token:   # it holds the proxy's secret: its memory is not the sessions' to read
+            session_auth.make_undumpable()
         self.runtime = runtime or LocalRuntime()
         self.launcher = launcher
         self.ready_size = cfg.ready_size if cfg.ready_size is not None else cfg.run_workers
@@ -223,7 +266,8 @@ class GatewayNode:
     def _report(self, w: Work, state: Session, **extra: Unpack[EventDetail]) -> None:
         with self._lock:
             if self._releasing and state == Session.CANCELLED:
-                state, extra = Session.RELEASED, EventDetail(reason=f"node {self.cfg.node_id} stopped")
+                stats = {**(extra.get("stats") or {}), RELEASE_CAUSE: ReleaseCause.NODE_STOPPED.value}
+                state, extra = Session.RELEASED, EventDetail(reason=f"node {self.cfg.node_id} stopped", stats=stats)
             if state in TERMINAL:
                 self._held.pop(w.session_id, None)
                 self._stage.pop(w.session_id, None)
@@ -370,12 +414,15 @@ class GatewayNode:
                 self.post.put(w)
                 continue
             w.outages = self.outages
+            w.epoch = self._gateway_epoch()
             self._report(w, Session.RUN)
             box = w.box
             ctx = harnesses.RunContext(
                 session_id=w.session_id, instruction=w.task.instruction,
                 proxy_port=self.cfg.proxy_port, ca_path=self.cfg.ca_path,
-                home=box.home, workdir=box.workdir, command=w.task.command)
+                home=box.home, workdir=box.workdir, command=w.task.command,
+                credential=session_auth.credential(self.cfg.control_token, w.session_id)
+                if self.cfg.control_token else None)
             try:
                 launch = self.launcher(w.task.harness, ctx)
             except (harnesses.HarnessMissing, ValueError, OSError) as e:
@@ -408,16 +455,21 @@ class GatewayNode:
 
     def _finish(self, w: Work) -> None:
         r = w.result
+        tail = getattr(r, "output_tail", None)
+        if isinstance(tail, str):    # kept: rollout_sessions.harness_output
+            w.stats["harness_output"] = redact(tail)[-OUTPUT_CHARS:]
         if w.cancelled or (r is not None and getattr(r, "cancelled", False)):
             self._report(w, Session.CANCELLED, reason="cancelled", stats=self._stats(w))
             return
         if isinstance(r, Exception):
-            self._report(w, Session.FAILED, reason=f"harness could not start: {r}", stats=w.stats)
+            self._report(w, Session.FAILED, reason=f"harness could not start: {redact(str(r))}", stats=w.stats)
             return
-        if w.outages is not None and (self.outages != w.outages or not self._backend_up.is_set()):
-            # the backend went down while it ran: not the policy's doing; it runs again
-            self._report(w, Session.RELEASED, stats=self._stats(w),
-                         reason=f"the model backend went down while it ran ({self.backend_error or 'back up since'})")
+        # Before the harness's own outcome: an outage may have made it fail or time out.
+        released = self._released(w)
+        if released is not None:
+            cause, why = released
+            self._report(w, Session.RELEASED, reason=f"{why}: not the policy's doing; it runs again",
+                         stats={**self._stats(w), RELEASE_CAUSE: cause.value})
             return
         if r is None:
             raise RuntimeError(f"{w.session_id} reached POST_RUN without a run")
@@ -428,7 +480,7 @@ class GatewayNode:
             self._report(w, Session.TIMED_OUT, reward=0.0, reason=why, stats=self._stats(w))
             return
         if r.exit_code != 0:
-            self._failed(w, f"harness exited with code {r.exit_code}: {r.output_tail[-500:].strip()}")
+            self._failed(w, f"harness exited with code {r.exit_code}: {redact(r.output_tail)[-500:].strip()}")
             return
         reward: float | None = None
         reason: str | None = None
@@ -444,7 +496,7 @@ class GatewayNode:
                 env["POLAR_OUTPUT"] = str(Path(logs) / "harness.log")
             er = box.run(["/bin/sh", "-c", ev.command], env, ev.timeout, "evaluator")
             w.stats["eval_s"] = round(time.monotonic() - t0, 3)
-            w.stats["eval_output"] = er.output_tail[-500:]
+            w.stats["eval_output"] = redact(er.output_tail)[-OUTPUT_CHARS:]
             if er.cancelled:
                 self._report(w, Session.CANCELLED, reason="cancelled", stats=self._stats(w))
                 return
@@ -491,11 +543,53 @@ class GatewayNode:
             except Exception:   # the server holds it too: the loop and `rollout` store it from there
                 log.exception("storing the reward of %s failed", sid)
 
+    def _released(self, w: Work) -> tuple[ReleaseCause, str] | None:
+        """Why the session goes back to the server unscored, if it does: its recorded calls
+        (release_cause), or the probe found the backend down while it ran."""
+        found = release_cause(self._stats(w))
+        if found is not None:
+            return found
+        if w.outages is not None and (self.outages != w.outages or not self._backend_up.is_set()):
+            return (ReleaseCause.BACKEND_UNAVAILABLE,
+                    f"the model backend went down while it ran ({self.backend_error or 'back up since'})")
+        if w.epoch is not None:
+            # The gateway reads vLLM's weight tag again now: a restart, or a sync it did not
+            # make, while the session ran means its calls' versions cannot be vouched for.
+            now = self._verify_gateway()
+            if now is not None and now != w.epoch:
+                return (ReleaseCause.VERSION_UNKNOWN, "policy version unknown: the gateway lost track of the "
+                        "weights its backend served while the session ran")
+        return None
+
+    def _gateway_epoch(self) -> int | None:
+        """How many times the gateway has lost track of the backend's weights (its health
+        check; None without a control token, or where it does not answer)."""
+        if not self.cfg.control_token:
+            return None
+        try:
+            r = httpx.get("http://polar.health/_polar/health", proxy=f"http://127.0.0.1:{self.cfg.proxy_port}",
+                          headers={"authorization": f"Bearer {self.cfg.control_token}"}, trust_env=False,
+                          timeout=30.0)
+            return int(r.json()["policy"]["epoch"]) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+
+    def _verify_gateway(self) -> int | None:
+        """The gateway's epoch after a fresh read of vLLM's weight tag (/_polar/verify)."""
+        try:
+            r = self._control("/_polar/verify", {})
+            return int(r.json()["epoch"]) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+
     def _stats(self, w: Work) -> dict:
+        """Its stats, with its call stats (read once: every call its harness got an answer to
+        is recorded by the time it exits)."""
         stats = {k: v for k, v in w.stats.items() if k != "assigned_at"}
-        if self.cfg.db and Path(self.cfg.db).exists():
+        if w.calls is None and self.cfg.db and Path(self.cfg.db).exists():
             try:
-                stats.update(journal.call_stats(self.cfg.db, w.session_id, timeout=120.0))
+                w.calls = dict(journal.call_stats(self.cfg.db, w.session_id, timeout=120.0))
             except Exception as e:     # stats are nice to have; the reward is what counts
                 stats["stats_error"] = str(e)
+        stats.update(w.calls or {})
         return stats

@@ -4,21 +4,40 @@ same rewards once the server settles them, but a node killed in between has not.
 
 from __future__ import annotations
 
+from collections import Counter
+from typing import Iterable
+
 from .protocol import Group, RewardRecord
-from .states import Session
+from .states import RELEASE_CAUSE, UNSCORED, ReleaseCause, Session
 
 FAILED = (Session.FAILED, Session.TIMED_OUT)     # outcomes without a reward of their own
 
 
 def reward_records(group: Group, on_failure: str = "zero") -> list[RewardRecord]:
     """One record per final session with a reward; a failed one scores 0 under on_failure
-    "zero" (its group keeps its size) and is left out under "drop"."""
+    "zero" (its group keeps its size) and is left out under "drop". One that failed for the
+    backend's sake (released max_releases times: stats["unscored"]) is always left out."""
     out: list[RewardRecord] = []
     for s in group["sessions"]:
+        if (s.get("stats") or {}).get(UNSCORED):
+            continue
         if s["reward"] is not None:
             out.append({"session_id": s["session_id"], "reward": s["reward"],
                         "info": {"state": s["state"], "reason": s["reason"]}})
         elif s["state"] in FAILED and on_failure == "zero":
             out.append({"session_id": s["session_id"], "reward": 0.0,
                         "info": {"state": s["state"], "reason": f"{s['reason']} (on_failure: zero)"}})
+    return out
+
+
+def release_causes(groups: Iterable[Group]) -> Counter[str]:
+    """How many attempts of these groups were released, by cause (ReleaseCause's label:
+    backend unavailable, policy version unknown, node stopped; "other" when a release named
+    none)."""
+    out: Counter[str] = Counter()
+    for g in groups:
+        for s in g["attempts"] + g["sessions"]:
+            if s["state"] == Session.RELEASED:
+                raw = (s.get("stats") or {}).get(RELEASE_CAUSE)
+                out[ReleaseCause(raw).label if raw in set(ReleaseCause) else "other"] += 1
     return out

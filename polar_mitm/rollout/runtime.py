@@ -116,6 +116,7 @@ class LocalSandbox:
             argv = self._bwrapped(self.bwrap, argv, env, proxy_port)
         else:
             env = {**env, SANDBOX_MARK: self.mark}
+            argv = [*_drop_privileges(), *argv]
             if self.isolate:
                 argv = self._isolated(self.isolate, argv, proxy_port)
         log = self.logs / f"{log_name}.log"
@@ -323,6 +324,24 @@ class LocalRuntime:
             box.teardown()
             raise
         return box
+
+
+@functools.cache
+def _drop_privileges() -> tuple[str, ...]:
+    """The fallback sandbox's commands run without capabilities: as root they would read any
+    process's memory and environment in /proc (the proxy's control token, the node's) and
+    files of any owner. setpriv empties the bounding set, so nothing the session execs gets
+    one back. () where setpriv is missing or refused (a warning says so)."""
+    argv: tuple[str, ...] = ("setpriv", "--bounding-set", "-all", "--inh-caps", "-all", "--no-new-privs", "--")
+    if os.geteuid() != 0:
+        argv = ("setpriv", "--no-new-privs", "--")      # no capabilities to drop
+    try:
+        if subprocess.run([*argv, "true"], capture_output=True, timeout=10).returncode == 0:
+            return argv
+    except (OSError, subprocess.SubprocessError):
+        pass
+    log.warning("WARNING: setpriv is missing or refused: fallback sandboxes keep the node's privileges")
+    return ()
 
 
 _warned: set[str] = set()

@@ -11,7 +11,10 @@ A session is one attempt at one sample of a task, named TASK~i (session_ids.py).
 that ends without an outcome runs again: under the same name when no harness ran yet (the
 node never got it, or handed it back before starting it), else under a new name TASK~i.rN,
 so no two attempts share calls. One the node failed ("lost") counts towards max_attempts;
-one it handed back ("released": it was stopped, its backend went down) never does.
+one it handed back ("released": it was stopped, its backend went down) never does. Releases
+for the backend's sake (its calls failed on the backend, or their policy version is unknown)
+are bounded apart: after max_releases of them the sample fails, unscored (no reward, not
+even on_failure "zero"'s 0.0: the failure is not the policy's).
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from .. import session_ids
 from .protocol import (Assignment, Group, Heartbeat, NodePolicy, PolicyReport, SessionEvent, SessionResult, Status,
                        TaskBrief, TaskStatus)
 from .spec import TaskChanged, TaskExists, TaskRequest, spec_changes
-from .states import (FINISHED, NODE_STATES, NOT_STARTED, ORDER, TASK_SETTLED, TERMINAL, Callback, ServerEvent,
-                     Session, Task)
+from .states import (FINISHED, NODE_STATES, NOT_STARTED, ORDER, RELEASE_CAUSE, TASK_SETTLED, TERMINAL, UNSCORED,
+                     Callback, ReleaseCause, ServerEvent, Session, Task)
 
 
 # -- state -----------------------------------------------------------------------------------
@@ -46,6 +49,17 @@ class SessionState:
         return SessionResult(session_id=self.session_id, sample=self.sample, attempt=self.attempt,
                              state=self.state, node_id=self.node_id, reward=self.reward, reason=self.reason,
                              stats=self.stats)
+
+
+def release_cause(s: SessionState) -> ReleaseCause | None:
+    """Why a released session was handed back, when that counts towards max_releases: the
+    backend's failures (a release that names no cause included), not a stopped node."""
+    raw = (s.stats or {}).get(RELEASE_CAUSE)
+    try:
+        cause = ReleaseCause(raw) if raw is not None else ReleaseCause.BACKEND_UNAVAILABLE
+    except ValueError:
+        cause = ReleaseCause.BACKEND_UNAVAILABLE
+    return None if cause == ReleaseCause.NODE_STOPPED else cause
 
 
 @dataclass
@@ -120,8 +134,9 @@ class Answer:
 
 class Scheduler:
     def __init__(self, max_attempts: int = 3, node_timeout: float = 10.0, callback_tries: int = 8,
-                 callback_backoff: float = 0.5):
+                 callback_backoff: float = 0.5, max_releases: int = 8):
         self.max_attempts, self.node_timeout = max_attempts, node_timeout
+        self.max_releases = max_releases
         self.callback_tries, self.callback_backoff = callback_tries, callback_backoff
         self.tasks: dict[str, TaskState] = {}
         self.sessions: dict[str, SessionState] = {}
@@ -238,6 +253,8 @@ class Scheduler:
         if s.state in TERMINAL:   # the same outcome again (our answer was lost) is still settled
             return s.state == state
         if state == Session.RELEASED:      # the node stopped, or its backend went down: run it again
+            if ev.get("stats") is not None:   # kept with the attempt: why (release_cause), its output
+                s.stats = ev["stats"]
             self._requeue(s, ev.get("reason") or f"released by node {node_id}", counted=False)
             return False
         if state not in ORDER:
@@ -313,6 +330,18 @@ class Scheduler:
         self._moved(s, s.state, reason)
         failures = sum(1 for sid in ts.attempts
                        if self.sessions[sid].sample == s.sample and self.sessions[sid].state == Session.LOST)
+        cause = release_cause(s)
+        if not s.cancel and not counted and cause is not None:
+            releases = sum(1 for sid in ts.attempts if self.sessions[sid].sample == s.sample
+                           and self.sessions[sid].state == Session.RELEASED
+                           and release_cause(self.sessions[sid]) is not None)
+            if releases >= self.max_releases:
+                # the backend's failures, not the policy's: no reward at all
+                s.state = Session.FAILED
+                s.reason = f"{reason}; released {releases} times ({cause.label}): not scored"
+                s.stats = {**(s.stats or {}), UNSCORED: cause.value}
+                self._moved(s, s.state, s.reason)
+                return
         if s.cancel or (counted and failures >= self.max_attempts):
             s.state = Session.FAILED if not s.cancel else Session.CANCELLED
             s.reason = f"{reason}; {failures} failed attempts" if not s.cancel else (ts.cancel_reason or "cancelled")

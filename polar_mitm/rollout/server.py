@@ -47,11 +47,13 @@ class RolloutServer:
     def __init__(self, db: str, *, host: str = "127.0.0.1", port: int = 0, node_timeout: float = 10.0,
                  max_attempts: int = 3, flush_s: float = 0.2, callback_tries: int = 8,
                  callback_backoff: float = 0.5, callback_timeout: float = 10.0, callback_workers: int = 16,
-                 check_workspaces: bool = True, scheduler: Scheduler | None = None):
+                 check_workspaces: bool = True, scheduler: Scheduler | None = None, max_releases: int = 8):
         self.db, self.flush_s, self.callback_workers = str(db), flush_s, callback_workers
         # The states and their transitions (a given scheduler brings its own settings).
+        # max_releases: releases of one sample for the backend's sake before it fails unscored
         self.scheduler = scheduler or Scheduler(max_attempts=max_attempts, node_timeout=node_timeout,
-                                                callback_tries=callback_tries, callback_backoff=callback_backoff)
+                                                callback_tries=callback_tries, callback_backoff=callback_backoff,
+                                                max_releases=max_releases)
         # A task's workspace is checked on submission (it must be there on this machine: with
         # nodes elsewhere and workspaces only there, turn it off).
         self.check_workspaces = check_workspaces
@@ -66,6 +68,8 @@ class RolloutServer:
         # callbacks to post: (when, attempt, task_id), each task on its own schedule
         self._callbacks: list[tuple[float, int, str]] = []
         self._callback_tasks: set[str] = set()       # queued or being posted
+        self._callback_errors: dict[str, str] = {}   # task_id -> why its last try failed
+        self.callback_timeout = callback_timeout
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         # The HTTP API (http_api.py: FastAPI on uvicorn, in a thread); bound here, so port 0
@@ -177,6 +181,29 @@ class RolloutServer:
         self.flush()
         return True
 
+    def pending_callbacks(self, task_ids: list[str] | None = None) -> list[dict]:
+        """The callbacks not settled yet (sent or given up), each {task_id, url, tries (made
+        so far), of (tries in all), error (the last try's), next_in (seconds to the next try,
+        0: being tried), left_s (at most this long until it is settled)}."""
+        sched = self.scheduler
+        with self._lock:
+            due: dict[str, float] = {}
+            for when, _, tid in self._callbacks:
+                due[tid] = min(when, due.get(tid, when))
+            now, out = time.monotonic(), []
+            for tid in (task_ids if task_ids is not None else list(self.tasks)):
+                ts = self.tasks.get(tid)
+                if ts is None or ts.callback_state != Callback.PENDING:
+                    continue
+                tries = ts.callback_tries
+                # each try left may take the client's timeout, and waits its backoff before
+                left = sum(self.callback_timeout + (sched.callback_backoff * 2 ** (a - 1) if a else 0.0)
+                           for a in range(tries, sched.callback_tries))
+                out.append({"task_id": tid, "url": ts.spec.callback_url, "tries": tries, "of": sched.callback_tries,
+                            "error": self._callback_errors.get(tid),
+                            "next_in": max(0.0, due[tid] - now) if tid in due else 0.0, "left_s": left})
+        return out
+
     # -- the policy the nodes serve ----------------------------------------------------------
     def set_policy(self, version: int, checkpoint: str, asleep: bool = False) -> PolicyTarget:
         """The new target of every node (each gets a fresh id, so setting the same one again
@@ -280,6 +307,8 @@ class RolloutServer:
         if not ok:
             log.warning("callback for %s (try %d) failed: %s", task_id, attempt + 1, error)
         with self._lock:
+            if not ok:
+                self._callback_errors[task_id] = str(error)[:200]
             self._perform(self.scheduler.callback_result(task_id, attempt, ok, error))
             if self.tasks[task_id].callback_state != Callback.PENDING:
                 self._callback_tasks.discard(task_id)

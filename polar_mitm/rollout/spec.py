@@ -87,8 +87,11 @@ class TaskRequest:
         return dataclasses.asdict(self)
 
 
-def parse_task(data: Any, *, harness: str | None = None, samples: int | None = None) -> TaskRequest:
-    """A TaskRequest from JSON-shaped data; harness/samples fill in what a task leaves out."""
+def parse_task(data: Any, *, harness: str | None = None, samples: int | None = None,
+               stored: bool = False) -> TaskRequest:
+    """A TaskRequest from JSON-shaped data; harness/samples fill in what a task leaves out.
+    stored: a spec read back from a database (task_from_json), which may predate the checks
+    for an empty command or evaluator: it is read as it was accepted then."""
     if not isinstance(data, dict):
         raise TaskError("a task must be a JSON object")
     known = {f.name for f in dataclasses.fields(TaskRequest)}
@@ -110,6 +113,9 @@ def parse_task(data: Any, *, harness: str | None = None, samples: int | None = N
         raise TaskError(f"{task_id}: harness must be one of {', '.join(HARNESSES)}, not {h!r}")
     if h == "command" and not isinstance(d.get("command"), str):
         raise TaskError(f"{task_id}: the command harness needs a 'command' (a shell line)")
+    command = d.get("command")
+    if command is not None and not stored and (not isinstance(command, str) or not command.strip()):
+        raise TaskError(f"{task_id}: command must be a non-empty shell line, not {command!r}")
     n = d.get("num_samples", 1)
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1024:
         raise TaskError(f"{task_id}: num_samples must be an integer from 1 to 1024")
@@ -129,6 +135,9 @@ def parse_task(data: Any, *, harness: str | None = None, samples: int | None = N
     if ev is not None:
         if not isinstance(ev, dict) or not isinstance(ev.get("command"), str) or set(ev) - {"command", "timeout"}:
             raise TaskError(f"{task_id}: evaluator must be a shell line, or an object with command and timeout")
+        if not ev["command"].strip() and not stored:   # "" would exit 0: every session scored 1.0
+            raise TaskError(f"{task_id}: evaluator must be a non-empty shell line, not {ev['command']!r} "
+                            "(a task without an evaluator gives no reward)")
         ev = Evaluator(command=ev["command"], timeout=_seconds(ev.get("timeout", 120.0), "evaluator.timeout", task_id))
     early = d.get("early_stop")
     if early is not None and (not isinstance(early, int) or not 1 <= early <= n):
@@ -151,13 +160,13 @@ def parse_task(data: Any, *, harness: str | None = None, samples: int | None = N
     return TaskRequest(task_id=task_id, instruction=instruction, harness=h,
                        workspace=Workspace(**ws), num_samples=n, timeout=timeout,
                        evaluator=ev, priority=priority, callback_url=url, metadata=meta,
-                       early_stop=early, command=d.get("command"), on_failure=on_failure,
+                       early_stop=early, command=command, on_failure=on_failure,
                        reward_covers=covers)
 
 
 def task_from_json(spec: dict) -> TaskRequest:
     """Back from TaskRequest.to_json (the stored spec)."""
-    return parse_task({k: v for k, v in spec.items() if v is not None})
+    return parse_task({k: v for k, v in spec.items() if v is not None}, stored=True)
 
 
 def spec_changes(old: TaskRequest, new: TaskRequest) -> list[str]:
@@ -217,9 +226,13 @@ def check_workspace(task: TaskRequest) -> None:
             raise TaskError(f"{tid}: workspace.commit {ws.commit} is not a commit of {ws.git}")
 
 
+MAX_REWARD = 1e6   # an evaluator's reward beyond +-this is a failed evaluation
+
+
 def parse_reward(output: str, exit_code: int | None) -> float:
     """The evaluator's reward: the float on its last non-empty line, else 1.0/0.0 by exit
-    status. nan or inf there is a failed evaluation (TaskError), never a reward."""
+    status. nan, inf, or a magnitude past MAX_REWARD there is a failed evaluation
+    (TaskError), never a reward."""
     lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
     if lines:
         try:
@@ -228,6 +241,9 @@ def parse_reward(output: str, exit_code: int | None) -> float:
             value = None
         if value is not None:
             if value != value or abs(value) == float("inf"):
-                raise TaskError(f"the evaluator's reward is {lines[-1]!r}, not a finite number")
+                raise TaskError(f"the evaluator's reward is {lines[-1][:40]!r}, not a finite number")
+            if abs(value) > MAX_REWARD:
+                raise TaskError(f"the evaluator's reward is {lines[-1][:40]!r}, beyond +-{MAX_REWARD:g} "
+                                "(print a score, such as 0 to 1)")
             return value
     return 1.0 if exit_code == 0 else 0.0

@@ -19,7 +19,7 @@ class Session(StrEnum):
     POST_RUN = "post_run"        # the evaluator runs
     DONE = "done"                # scored
     TIMED_OUT = "timed_out"      # the harness ran past its timeout
-    FAILED = "failed"            # set-up, harness or evaluator failed; or max_attempts lost
+    FAILED = "failed"            # set-up, harness or evaluator failed; max_attempts lost; max_releases
     CANCELLED = "cancelled"      # by request, or early_stop
     # The attempt ended without an outcome and the sample runs again under a new name
     # (TASK~i.rN): "lost" when its node failed it (a lost node, a node that no longer holds
@@ -42,6 +42,28 @@ OUTCOMES = frozenset({Session.DONE, Session.TIMED_OUT, Session.FAILED})
 """A node's outcome of a run: it stores the reward once the server settles it as its sample's."""
 ORDER = tuple(Session)
 """Every session state, in the order of a session's life (for counts and progress lines)."""
+
+
+class ReleaseCause(StrEnum):
+    """Why a node handed a session back (its RELEASED event's stats["release_cause"]). None
+    is the policy's doing: the session runs again, unscored. Releases for the first two
+    causes count towards the server's max_releases; a stopped node's never do."""
+    BACKEND_UNAVAILABLE = "backend_unavailable"   # its model calls failed on the backend
+    VERSION_UNKNOWN = "version_unknown"           # calls whose policy version is unknown
+    NODE_STOPPED = "node_stopped"                 # its node (or `rollout`) was stopped
+
+    @property
+    def label(self) -> str:
+        return {"backend_unavailable": "backend unavailable", "version_unknown": "policy version unknown",
+                "node_stopped": "node stopped"}[self.value]
+
+
+RELEASE_CAUSE = "release_cause"
+"""The key of a released session's stats that holds its ReleaseCause."""
+UNSCORED = "unscored"
+"""The key of a failed session's stats that says why it has no reward, not even on_failure
+"zero"'s 0.0: its sample was released max_releases times (the backend's failures, not the
+policy's)."""
 
 
 class Task(StrEnum):

@@ -6,7 +6,9 @@ Both sides retry while the other holds the lock."""
 
 from __future__ import annotations
 
+import math
 import os
+import threading
 import time
 import uuid
 from contextlib import contextmanager
@@ -255,28 +257,64 @@ _UPSERT_REWARD = (
     "task_id = coalesce(sessions.task_id, excluded.task_id)")
 
 
+# Reward writes of this process, one file at a time: two of them (the loop's and its node's
+# reward thread) storing the same new session at once made DuckDB fail one ("Duplicate key
+# ... violates primary key constraint", or a failed commit); an ON CONFLICT clause only sees
+# rows already committed.
+_REWARD_LOCKS: dict[str, threading.Lock] = {}
+_REWARD_LOCKS_GUARD = threading.Lock()
+REWARD_TRIES = 8
+
+
+def _reward_lock(path: str | os.PathLike) -> threading.Lock:
+    with _REWARD_LOCKS_GUARD:
+        return _REWARD_LOCKS.setdefault(os.path.realpath(path), threading.Lock())
+
+
+def write_race(e: BaseException) -> bool:
+    """Whether DuckDB failed a write because another transaction wrote the same row at the
+    same moment (in this process: other processes wait for the file instead)."""
+    text = str(e)
+    if isinstance(e, duckdb.ConstraintException):
+        return "Duplicate key" in text
+    return isinstance(e, duckdb.TransactionException) and ("Conflict" in text or "constraint" in text.lower())
+
+
 def store_rewards(path: str | os.PathLike, rewards: Iterable[Reward], timeout: float = 30.0) -> int:
     """Set sessions.reward (and reward_info) of each session, in one transaction; returns how
-    many. The one reward write: set_reward and store.training.set_rewards both come here."""
+    many. The one reward write: set_reward and store.training.set_rewards both come here.
+    Race-free: the reward writes of this process take turns, and a write that another writer
+    of the same row beat anyway (the upsert is idempotent) is tried again, a bounded number
+    of times."""
+    rewards = list(rewards)
+    bad = next((r for r in rewards if not math.isfinite(r.reward)), None)
+    if bad is not None:
+        raise ValueError(f"{bad.session_id}: reward must be a finite number, not {bad.reward!r}")
     rows = [[r.session_id, r.task_id or task_of(r.session_id), float(r.reward),
              orjson.dumps(r.info).decode() if r.info is not None else None] for r in rewards]
     if not Path(path).exists():
         raise FileNotFoundError(f"no database at {path}")
     if not rows:
         return 0
-    for attempt in range(5):
-        try:
-            with writing(path, timeout) as con:
-                con.execute("BEGIN")
-                con.executemany(_UPSERT_REWARD, rows)
-                con.execute("COMMIT")
-            return len(rows)
-        except duckdb.TransactionException as e:
-            # A node of this process storing the same settled reward at the same moment
-            # ("Conflict on update!"): the upsert is idempotent, so it is tried again.
-            if "Conflict" not in str(e) or attempt == 4:
-                raise
-            time.sleep(0.05 * 2 ** attempt)
+    with _reward_lock(path):
+        for attempt in range(REWARD_TRIES):
+            try:
+                with writing(path, timeout) as con:
+                    con.execute("BEGIN")
+                    try:
+                        con.executemany(_UPSERT_REWARD, rows)
+                        con.execute("COMMIT")
+                    except BaseException:
+                        try:
+                            con.execute("ROLLBACK")
+                        except duckdb.Error:
+                            pass   # a failed COMMIT leaves no transaction
+                        raise
+                return len(rows)
+            except duckdb.Error as e:
+                if not write_race(e) or attempt == REWARD_TRIES - 1:
+                    raise
+                time.sleep(min(0.01 * 2 ** attempt, 0.5))
     return len(rows)
 
 

@@ -410,10 +410,15 @@ def _insert(con, batch: LoadBatch, start: Position, end: Position, new_sessions:
         if batch.stored:
             source = read_log_sql(con, batch.path, batch.longest)
             if new_sessions:   # a scan of its own: skipped when every session is known
+                # A session stored already stays as it is; one that a reward created first
+                # (no calls yet) gets the gateway's source, client and user agent.
                 con.execute("INSERT INTO sessions (session_id, task_id, source, client, user_agent) "
                             "SELECT s.session_id, any_value(s.task_id), any_value(s.source), "
                             f"any_value(s.client), any_value(s.user_agent) FROM {source} "
-                            "GROUP BY s.session_id ON CONFLICT DO NOTHING")
+                            "GROUP BY s.session_id ON CONFLICT (session_id) DO UPDATE SET "
+                            "source = excluded.source, client = excluded.client, user_agent = excluded.user_agent "
+                            "WHERE sessions.source = 'rollout' AND sessions.client IS NULL "
+                            "AND sessions.user_agent IS NULL")
             acked, params = _acked(batch.acks)
             columns = ", ".join(RECORD_COLUMNS)
             new = f"SELECT {_SELECT} FROM {source} LEFT JOIN ({acked}) a ON a.call_id = r.call_id"
@@ -459,6 +464,9 @@ def read_log_sql(con, scratch: Path, longest: int) -> str:
         for name, kind in con.execute("SELECT column_name, data_type FROM information_schema.columns "
                                       f"WHERE table_name = '{MAIN}'").fetchall():
             _TYPES[name] = "DOUBLE" if kind.startswith("TIMESTAMP") else kind
+        # Read as text, made an integer by _selected: lines written before migration 10 carry
+        # it as text ("3"), and a value that is no integer is an unknown version (NULL).
+        _TYPES["policy_version"] = "VARCHAR"
     structure = orjson.dumps({"s": dict.fromkeys(SESSION_COLUMNS, "VARCHAR"),
                               "r": {c: _TYPES[c] for c in LINE_COLUMNS}}).decode()
     path = str(scratch).replace("'", "''")
@@ -473,7 +481,8 @@ def _selected(column: str) -> str:
     """A call_records column as read from a log line (r: the record, s: the session)."""
     return {"session_id": "s.session_id", "total_ms": "coalesce(a.ms, r.total_ms)",
             "created_at": "coalesce(to_timestamp(r.created_at), now())",
-            "started_at": "to_timestamp(r.started_at)"}.get(column, f"r.{column}")
+            "started_at": "to_timestamp(r.started_at)",
+            "policy_version": "TRY_CAST(r.policy_version AS INTEGER)"}.get(column, f"r.{column}")
 
 
 _SELECT = ", ".join(map(_selected, RECORD_COLUMNS))

@@ -44,16 +44,20 @@ class IterationRow(TypedDict, total=False):
     sync_wake_s: float | None
     sleep_s: float | None
     per_task: dict[str, TaskRewards]   # stored as JSON
+    sessions_released: int           # attempts handed back and run again (never scored)
+    released_why: dict[str, int]     # stored as JSON: {cause: n} (rewards.release_causes)
 
 
 ITERATION_COLUMNS = tuple(IterationRow.__annotations__)
+_JSON_COLUMNS = frozenset({"per_task", "released_why"})
 
 
 def record_iteration(db: str | os.PathLike, row: IterationRow, steps: Iterable[Mapping[str, Any]],
                      timeout: float = 120.0) -> None:
     """The iteration's row and its optimizer steps (the trainer's metrics, global_step
     included), replacing those of an earlier try of it."""
-    values = [orjson.dumps(row.get(c)).decode() if c == "per_task" else row.get(c) for c in ITERATION_COLUMNS]
+    values = [orjson.dumps(row.get(c)).decode() if c == "per_task" or (c in _JSON_COLUMNS and c in row)
+              else row.get(c) for c in ITERATION_COLUMNS]
     with writing(db, timeout) as con:
         con.execute("BEGIN")
         con.execute("DELETE FROM loop_iterations WHERE run_id = ? AND iteration = ?",

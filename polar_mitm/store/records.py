@@ -55,7 +55,7 @@ class CallRecord:
     total_ms: float | None = None            # set by the writer from submit's t0, if given
     error: str | None = None
     error_kind: str | None = None
-    policy_version: str | None = None
+    policy_version: int | None = None        # the weights that sampled it (None: not known)
     dropped: list[str] | None = None         # provider fields not forwarded
     started_at: float | None = None          # wall time (time.time())
 

@@ -61,6 +61,27 @@ def _j(v) -> str | None:
     return None if v is None else orjson.dumps(v).decode()
 
 
+# A session's outputs (the node's stats "harness_output" and "eval_output": bounded tails,
+# credentials redacted) are columns of rollout_sessions, not part of its stats JSON.
+OUTPUTS = ("harness_output", "eval_output")
+
+
+def _split_outputs(stats: dict | None) -> tuple[str | None, str | None, str | None]:
+    """(stats JSON without the outputs, harness_output, eval_output)."""
+    if not stats:
+        return _j(stats), None, None
+    rest = {k: v for k, v in stats.items() if k not in OUTPUTS}
+    harness, evaluator = (None if stats.get(k) is None else str(stats[k]) for k in OUTPUTS)
+    return _j(rest), harness, evaluator
+
+
+def _joined_outputs(stats: str | None, harness_output: str | None, eval_output: str | None) -> dict | None:
+    """The stats as the server held them: the outputs back in."""
+    out = orjson.loads(stats) if stats else None
+    extra = {k: v for k, v in zip(OUTPUTS, (harness_output, eval_output)) if v is not None}
+    return {**(out or {}), **extra} if extra else out
+
+
 def ensure(path: str | os.PathLike, timeout: float = 60.0) -> None:
     init_db(path, timeout)
 
@@ -81,12 +102,14 @@ def save(path: str | os.PathLike, batch: Batch, timeout: float = 60.0) -> None:
             if batch["sessions"]:
                 con.executemany(
                     "INSERT INTO rollout_sessions (session_id, task_id, sample, attempt, state, "
-                    "node_id, reward, reason, stats) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                    "node_id, reward, reason, stats, harness_output, eval_output) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
                     "ON CONFLICT (session_id) DO UPDATE SET state = excluded.state, "
                     "node_id = excluded.node_id, reward = excluded.reward, reason = excluded.reason, "
-                    "stats = excluded.stats, updated_at = now()",
+                    "stats = excluded.stats, harness_output = excluded.harness_output, "
+                    "eval_output = excluded.eval_output, updated_at = now()",
                     [[s["session_id"], s["task_id"], s["sample"], s["attempt"], s["state"],
-                      s["node_id"], s["reward"], s["reason"], _j(s["stats"])]
+                      s["node_id"], s["reward"], s["reason"], *_split_outputs(s["stats"])]
                      for s in batch["sessions"]])
             if batch["events"]:
                 con.executemany(
@@ -111,12 +134,19 @@ def load(path: str | os.PathLike, timeout: float = 60.0) -> tuple[list[TaskRow],
                      "FROM rollout_events WHERE session_id IS NULL AND state = ? GROUP BY task_id) e "
                      "USING (task_id) ORDER BY submitted_at, submit_order, t.task_id", [STOPPING]).fetchall()]
         sessions = [SessionRow(session_id=r[0], task_id=r[1], sample=r[2], attempt=r[3], state=r[4],
-                               node_id=r[5], reward=r[6], reason=r[7],
-                               stats=orjson.loads(r[8]) if r[8] else None)
+                               node_id=r[5], reward=r[6], reason=r[7], stats=_joined_outputs(r[8], r[9], r[10]))
                     for r in con.execute("SELECT session_id, task_id, sample, attempt, state, node_id, "
-                                         "reward, reason, stats FROM rollout_sessions "
-                                         "ORDER BY task_id, sample, attempt").fetchall()]
+                                         "reward, reason, stats, harness_output, eval_output "
+                                         "FROM rollout_sessions ORDER BY task_id, sample, attempt").fetchall()]
     return tasks, sessions
+
+
+# The error kinds (call_records.error_kind) of calls that failed because of the model backend,
+# not because of the request: a refused or dropped connection and vLLM's 503 ("overloaded"),
+# no answer in time ("timeout"), vLLM's other 5xx and answers that are no completion
+# ("backend_error"), and vLLM's 429 ("rate_limit"). The request's own errors (invalid_request,
+# context_too_long, not_found, too_large) and a harness that gave up ("abandoned") are not.
+BACKEND_ERROR_KINDS = ("overloaded", "timeout", "backend_error", "rate_limit")
 
 
 class CallStats(TypedDict):
@@ -124,15 +154,49 @@ class CallStats(TypedDict):
     failed_calls: int
     prompt_tokens: int
     completion_tokens: int
+    backend_failed_calls: int     # failed because of the backend (BACKEND_ERROR_KINDS)
+    backend_error_kinds: list[str]
+    unknown_version_calls: int    # answered, with no policy version (the weights were not verified)
 
 
 def call_stats(path: str | os.PathLike, session_id: str, timeout: float = 60.0) -> CallStats:
-    """What the proxy recorded for one session (read after its harness has exited)."""
+    """What the proxy recorded for one session (read after its harness has exited: every call
+    it got an answer to is there, failed ones included)."""
+    kinds = ", ".join(f"'{k}'" for k in BACKEND_ERROR_KINDS)
     with reading(path, timeout) as con:
         row = con.execute(
             "SELECT count(*), count(error), coalesce(sum(prompt_tokens), 0), "
-            "coalesce(sum(completion_tokens), 0) FROM call_records WHERE session_id = ?",
+            f"coalesce(sum(completion_tokens), 0), count(*) FILTER (WHERE error_kind IN ({kinds})), "
+            f"list_sort(list_distinct(list(error_kind) FILTER (WHERE error_kind IN ({kinds})))), "
+            "count(*) FILTER (WHERE error IS NULL AND policy_version IS NULL) "
+            "FROM call_records WHERE session_id = ?",
             [session_id]).fetchone()
     assert row is not None   # an aggregate always has its row
-    n, failed, p, c = row
-    return CallStats(calls=n, failed_calls=failed, prompt_tokens=int(p), completion_tokens=int(c))
+    n, failed, p, c, backend_failed, backend_kinds, unknown = row
+    return CallStats(calls=n, failed_calls=failed, prompt_tokens=int(p), completion_tokens=int(c),
+                     backend_failed_calls=backend_failed, backend_error_kinds=list(backend_kinds or []),
+                     unknown_version_calls=unknown)
+
+
+class SessionOutput(TypedDict):
+    session_id: str
+    task_id: str
+    state: str
+    node_id: str | None
+    reward: float | None
+    reason: str | None
+    exit_code: int | None
+    harness_output: str | None   # the tail of the harness's stdout and stderr
+    eval_output: str | None      # the tail of the evaluator's
+
+
+def session_output(path: str | os.PathLike, session_id: str, timeout: float = 60.0) -> SessionOutput | None:
+    """One session's outcome and kept output (None: no such session in the journal)."""
+    with reading(path, timeout) as con:
+        row = con.execute(
+            "SELECT session_id, task_id, state, node_id, reward, reason, TRY_CAST(stats->>'exit_code' AS INTEGER), "
+            "harness_output, eval_output FROM rollout_sessions WHERE session_id = ?", [session_id]).fetchone()
+    if row is None:
+        return None
+    return SessionOutput(session_id=row[0], task_id=row[1], state=row[2], node_id=row[3], reward=row[4],
+                         reason=row[5], exit_code=row[6], harness_output=row[7], eval_output=row[8])

@@ -32,6 +32,7 @@ _WHOLE_CALLS = """
 
 # call_records as migration 2 made it (with a primary key), as migration 5 remakes it
 # (without one), and migration 6's tail; formatted, each migration's SQL is what it was.
+# (Migration 10 makes policy_version INTEGER.)
 _CALL_RECORDS = """CREATE TABLE {name} (
         call_id              VARCHAR {key},
         session_id           VARCHAR NOT NULL,
@@ -306,6 +307,29 @@ MIGRATIONS: list[str] = [
     # restarted server took them in task_id order.
     """
     ALTER TABLE rollout_tasks ADD COLUMN submit_order BIGINT;
+    """,
+    # 10: policy_version is an integer (it was the gateway's integer as text, so ORDER BY put
+    # 10 before 2). NULL: not known, a call whose serving weights the gateway could not
+    # verify; such a call is never trained. Text that is no integer becomes NULL. The views
+    # over it are made again with its new type.
+    """
+    ALTER TABLE call_records_main ALTER COLUMN policy_version TYPE INTEGER
+        USING TRY_CAST(policy_version AS INTEGER);
+    ALTER TABLE call_records_tail ALTER COLUMN policy_version TYPE INTEGER
+        USING TRY_CAST(policy_version AS INTEGER);
+    CREATE OR REPLACE VIEW call_records AS
+        SELECT * FROM call_records_main UNION ALL SELECT * FROM call_records_tail;
+    CREATE OR REPLACE VIEW calls AS""" + _whole_calls() + """;
+    """,
+    # 11: each session's output, kept after its sandbox is gone: the tail of its harness's
+    # stdout and stderr and of its evaluator's output (credentials redacted); and the loop's
+    # released sessions per iteration, by cause (backend unavailable, policy version unknown,
+    # node stopped).
+    """
+    ALTER TABLE rollout_sessions ADD COLUMN harness_output VARCHAR;
+    ALTER TABLE rollout_sessions ADD COLUMN eval_output VARCHAR;
+    ALTER TABLE loop_iterations ADD COLUMN sessions_released INTEGER;
+    ALTER TABLE loop_iterations ADD COLUMN released_why JSON;
     """,
 ]
 

@@ -9,6 +9,7 @@ recorded before the rule are judged the same way."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -17,16 +18,19 @@ from typing import Any, Iterable, Mapping
 
 import orjson
 
-from ..trainer_input import Call, SessionReward, policy_version_of
+from ..trainer_input import UNKNOWN_VERSION, Call, SessionReward, policy_version_of
 from ..session_ids import attempt_of
 from .db import Reward, reading, store_rewards
 from .delta import apply_ids
 
+# A call whose policy version is not known (NULL: the gateway could not verify which weights
+# served it) is never trained: its logprobs may be another policy's.
+UNKNOWN_VERSION_REASON = "policy_version_unknown"
 # Calls vLLM sampled from another distribution than the trainer's, by the first rule that applies.
 SAMPLING_REASONS = ("structured_output", "forced_tool_choice", "truncated_sampling", "logit_processing",
                     "temperature_mismatch")
-SKIP_REASONS = ("failed", "abandoned", "no_token_ids", "logprobs_mismatch", *SAMPLING_REASONS,
-                "auxiliary_call", "no_reward", "missing_base", "superseded_attempt")
+SKIP_REASONS = ("failed", "abandoned", "no_token_ids", "logprobs_mismatch", UNKNOWN_VERSION_REASON,
+                *SAMPLING_REASONS, "auxiliary_call", "no_reward", "missing_base", "superseded_attempt")
 
 # vLLM's guided-decoding fields (a request's own, or an operator's polar_sampling override)
 _GUIDED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -169,6 +173,10 @@ def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None 
             if logprobs is None or len(logprobs) != len(tokens):
                 out.skipped["logprobs_mismatch"] += 1
                 continue
+            version = policy_version_of(version)
+            if version == UNKNOWN_VERSION:
+                out.skipped[UNKNOWN_VERSION_REASON] += 1
+                continue
             excluded = sampling_exclusion(orjson.loads(backend_params) if backend_params else None, temperature)
             if excluded:
                 out.skipped[excluded] += 1
@@ -189,7 +197,7 @@ def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None 
             out.calls.append(Call(
                 session_id=session_id, group=task_id or session_id, seq=seq, prompt=list(prompt),
                 tokens=list(tokens), logprobs=[float(x) for x in logprobs], finish_reason=finish,
-                policy_version=policy_version_of(version), reward=reward, db=str(path)))
+                policy_version=version, reward=reward, db=str(path)))
     # One session per sample: when a retry (TASK~i.r2) and the attempt it replaced (TASK~i,
     # rewarded before its node was declared lost) both have rewards, the latest counts, so
     # a group never holds more rewarded sessions than samples.
@@ -247,5 +255,7 @@ def set_rewards(db: str | os.PathLike, records: Iterable[Mapping[str, Any]], tim
         reward = r.get("reward")
         if isinstance(reward, bool) or not isinstance(reward, (int, float)):
             raise ValueError(f"record {i + 1} ({r['session_id']}): reward must be a number")
+        if not math.isfinite(reward):
+            raise ValueError(f"record {i + 1} ({r['session_id']}): reward must be a finite number, not {reward!r}")
         rewards.append(Reward(r["session_id"], float(reward), r.get("info")))
     return store_rewards(db, rewards, timeout)

@@ -116,7 +116,10 @@ def addon_path():
 @click.option("--max-model-len", default=8192, show_default=True)
 @click.option("--model", default="", help="Serve this model directory (a polar-train checkpoint) instead of the default")
 @click.option("--dtype", default="float32", show_default=True, help="vLLM's dtype (the trainer's by default)")
-def up(db, backend, port, reverse_port, confdir, max_model_len, model, dtype):
+@click.option("--session-auth", is_flag=True,
+              help="Store a call only with its session's credential (`polar-mitm credential NAME`); "
+                   "the control token goes to CONFDIR/control-token")
+def up(db, backend, port, reverse_port, confdir, max_model_len, model, dtype, session_auth):
     """Start vLLM (unless --backend) and the proxy; stop with Ctrl-C or SIGTERM.
 
     Exit status: 130 after Ctrl-C, 143 after SIGTERM (as `node` and `rollout-server`); 1 when
@@ -130,13 +133,17 @@ def up(db, backend, port, reverse_port, confdir, max_model_len, model, dtype):
         check_model_dir(model)
     logs = cache_dir() / "logs"
     logs.mkdir(mode=0o700, parents=True, exist_ok=True)
+    token = new_control_token(Path(confdir)) if session_auth else None
     with Stack() as stack:
         backend = stack.start_gateway(db, backend, port, reverse_port, confdir, logs, max_model_len,
-                                      model=model, dtype=dtype)
+                                      model=model, dtype=dtype, control_token=token)
         try:
             click.echo(f"proxy ready: backend {backend}, database {db}\nharness environment:")
             for k, v in launch.proxy_env(port, confdir).items():
                 click.echo(f"  export {k}={v}")
+            if token:
+                click.echo(f"session credentials are checked: `polar-mitm credential NAME --confdir {confdir}` "
+                           "gives a session's proxy URL and API key")
             click.echo(f"or point a base URL at http://127.0.0.1:{reverse_port}")
             while not stack.dead():
                 time.sleep(1)
@@ -146,6 +153,42 @@ def up(db, backend, port, reverse_port, confdir, max_model_len, model, dtype):
             click.echo(f"stopped: {stack.why_dead()}", err=True)
             code = 1
     sys.exit(code)
+
+
+TOKEN_FILE = "control-token"
+
+
+def new_control_token(confdir: Path) -> str:
+    """A new control token, kept in CONFDIR/control-token (this user's only) for `credential`
+    and for whoever syncs by hand; mitmdump gets it in a file of its own that it removes."""
+    import secrets
+    confdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    token = secrets.token_hex(16)
+    path = confdir / TOKEN_FILE
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return token
+
+
+@main.command()
+@click.argument("session")
+@click.option("--confdir", default=os.path.expanduser("~/.mitmproxy"), show_default=True,
+              help="Where `polar-mitm up --session-auth` keeps its control token")
+@click.option("--port", default=8080, show_default=True, type=PORT, help="The proxy's regular listener")
+def credential(session, confdir, port):
+    """A session's credential under `up --session-auth`: its HTTPS_PROXY and its API key."""
+    from . import session_auth
+    path = Path(confdir) / TOKEN_FILE
+    try:
+        token = path.read_text().strip()
+    except OSError as e:
+        raise click.ClickException(f"no control token at {path} ({e.strerror}): start `polar-mitm up "
+                                   "--session-auth` first") from None
+    cred = session_auth.credential(token, session)
+    click.echo(f"HTTPS_PROXY={session_auth.proxy_url(session, port, cred)}")
+    click.echo(f"API key: {session_auth.api_key(session, cred)}")
 
 
 DEMO_TASKS = Path(__file__).parent / "demo_tasks"

@@ -58,12 +58,16 @@ class Stack:
         return f"http://127.0.0.1:{vport}"
 
     def start_gateway(self, db: str, backend: str, port: int, reverse_port: int | None, confdir: str | Path,
-                      logs: Path, max_model_len: int, model: str = "", dtype: str = "float32") -> str:
-        """vLLM (unless a backend is given) and the proxy before it; returns the backend."""
+                      logs: Path, max_model_len: int, model: str = "", dtype: str = "float32",
+                      control_token: str | None = None) -> str:
+        """vLLM (unless a backend is given) and the proxy before it; returns the backend.
+        control_token: syncs on, and every call must carry its session's credential."""
         if not backend:
             backend = self.start_model(logs, max_model_len, model, dtype)
         self.add(launch.start_proxy(db=db, backend=backend, port=port, confdir=confdir,
-                                    log_path=logs / "mitmdump.log", reverse_port=reverse_port))
+                                    log_path=logs / "mitmdump.log", reverse_port=reverse_port,
+                                    control_token=control_token,
+                                    extra_sets=["polar_session_auth=on"] if control_token else None))
         return backend
 
     def start_server(self, db: str, **options: Any) -> RolloutServer:

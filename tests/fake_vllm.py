@@ -81,7 +81,7 @@ class FakeVLLM:
         self.reloading = False
         self.control: list[str] = []      # dev-mode calls, in order (path with query)
         self.sleeping: set[str] = set()   # what sleeps: "weights", "kv_cache"
-        self.weight_version: str | None = None   # /update_weight_version's tag, as /weight_info tells it
+        self.weight_version: str | None = "default"   # /update_weight_version's tag (vLLM starts with "default")
         self.restarts = 0
         self._conns: set = set()          # open client connections: they end with the "process"
         self.served_asleep = 0            # generation asked while asleep (must stay 0)
@@ -340,7 +340,7 @@ class FakeVLLM:
         self.down()
         time.sleep(pause)
         with self.lock:
-            self.weights, self.weight_version, self.sleeping = "base", None, set()
+            self.weights, self.weight_version, self.sleeping = "base", "default", set()
             self.restarts += 1
         self.up()
 

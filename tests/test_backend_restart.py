@@ -84,7 +84,7 @@ def test_a_restarted_backend_never_passes_for_the_synced_version(start_proxy):
         report = health(proxy)
     # every restart was seen, and healed by reloading the synced checkpoint
     check = report["version_check"]
-    assert report["policy"]["epoch"] == 3 and check["resyncs"] == 3, report
+    assert report["policy"]["epoch"] == report["policy"]["losses"] == 3 and check["resyncs"] == 3, report
     assert [w for _, _, w in fake.reloads] == ["/ckpt/1"] * 4
     counts = check_versions(proxy.db, {1: "/ckpt/1"})
     assert counts.get(1, 0) > 20, counts          # most calls are vouched for
@@ -101,8 +101,8 @@ def test_verify_and_a_sync_that_finds_a_foreign_tag(start_proxy):
     with FakeVLLM() as fake:
         proxy = start_proxy(fake.url, [f"polar_control_token={TOKEN}", "polar_version_check=0"])
         assert post(proxy, "/_polar/sync", {"checkpoint": "/ckpt/1", "version": 1}).status_code == 200
-        assert post(proxy, "/_polar/verify").json() == {"state": "ok", "verified": True, "epoch": 0, "version": 1,
-                                                        "error": None}
+        assert post(proxy, "/_polar/verify").json() == {"state": "ok", "verified": True, "epoch": 0, "losses": 0,
+                                                        "version": 1, "error": None}
         fake.weight_version = "someone-else"         # another gateway synced this vLLM
         got = post(proxy, "/_polar/verify").json()
         # no checkpoint known? it has /ckpt/1 from the sync: reloaded, vouched for again

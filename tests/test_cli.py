@@ -20,11 +20,11 @@ from polar_mitm.store import query
 CLI = [sys.executable, "-m", "polar_mitm.cli"]
 
 
-def start_up(tmp_path, backend: str, port: int, rport: int, **popen) -> tuple[subprocess.Popen, str]:
+def start_up(tmp_path, backend: str, port: int, rport: int, *args: str, **popen) -> tuple[subprocess.Popen, str]:
     """`polar-mitm up` against `backend`; returns it and what it printed until it was ready."""
     p = subprocess.Popen(CLI + ["up", "--db", str(tmp_path / "r.duckdb"), "--backend", backend,
                                 "--port", str(port), "--reverse-port", str(rport),
-                                "--confdir", str(tmp_path / "conf")],
+                                "--confdir", str(tmp_path / "conf"), *args],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env={**os.environ, "POLAR_MITM_CACHE": str(tmp_path / "cache")}, **popen)
     lines = []
@@ -54,6 +54,33 @@ def test_up_serves_records_and_stops_on_ctrl_c(tmp_path):
         raise AssertionError("the proxy is still listening")
     except httpx.ConnectError:
         pass
+
+
+def test_up_with_session_auth_stores_only_calls_with_their_credential(tmp_path):
+    """Sessions named by hand work as before unless the check is turned on: then each needs
+    the credential that `polar-mitm credential` gives."""
+    db = tmp_path / "r.duckdb"
+    port, rport = launch.free_ports(2)
+    with FakeVLLM() as fake:
+        p, out = start_up(tmp_path, fake.url, port, rport, "--session-auth")
+        assert "session credentials are checked" in out, out
+        given = subprocess.run(CLI + ["credential", "fix@1~0", "--confdir", str(tmp_path / "conf"), "--port",
+                                      str(port)], capture_output=True, text=True, timeout=60).stdout
+        key = next(line for line in given.splitlines() if line.startswith("API key: ")).removeprefix("API key: ")
+        assert "HTTPS_PROXY=http://fix%401~0:" in given and key.startswith("polar-fix@1~0,"), given
+        ask = lambda k: openai.OpenAI(base_url=f"http://127.0.0.1:{rport}/v1", api_key=k,  # noqa: E731
+                                      max_retries=0).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}])
+        assert ask(key).choices
+        try:
+            ask("polar-fix@1~0")
+            raise AssertionError("a call without the credential was answered")
+        except openai.PermissionDeniedError as e:
+            assert "credential" in str(e)
+        p.send_signal(signal.SIGINT)
+        assert p.wait(30) == 130
+    assert query(db, "SELECT session_id FROM calls")[1] == [("fix@1~0",)]
+    assert not [f for f in (tmp_path / "conf").iterdir() if f.name.startswith(".control-")]   # mitmdump's copy went
 
 
 def children(pid: int, named: str = "") -> list[int]:
@@ -107,22 +134,25 @@ class Interrupter(importlib.abc.MetaPathFinder):
         if name == "click":
             os.kill(os.getpid(), signal.SIGINT)
 sys.meta_path.insert(0, Interrupter())
-from polar_mitm.entry import polar_mitm
-sys.argv = ["polar-mitm", "rollout", "tasks.jsonl"]
-polar_mitm()
+from polar_mitm.entry import {entry}
+sys.argv = ["{command}", "{sub}", "tasks.jsonl"]
+{entry}()
 """
 
 
-def test_ctrl_c_while_the_command_starts_exits_130():
+@pytest.mark.parametrize("command, entry, sub", [("polar-mitm", "polar_mitm", "rollout"),
+                                                  ("polar-train", "polar_train", "loop")])
+def test_ctrl_c_while_the_command_starts_exits_130(command, entry, sub):
     """The soak's Ctrl-C 2.3 s after start landed in the imports on a loaded CI machine: a
     traceback and death by SIGINT (-2), where every command documents 130."""
     # started as from a terminal: a background job of a script (CI's, say) inherits SIGINT
     # ignored, and Python then never raises KeyboardInterrupt
-    p = subprocess.run([sys.executable, "-c", SIGINT_DURING_IMPORTS], capture_output=True, text=True, timeout=60,
+    code = SIGINT_DURING_IMPORTS.format(entry=entry, command=command, sub=sub)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert (p.returncode, p.stderr) == (130, "")
-    script = Path(sys.executable).with_name("polar-mitm").read_text()
-    assert "from polar_mitm.entry import polar_mitm" in script    # what the installed command runs
+    script = Path(sys.executable).with_name(command).read_text()
+    assert f"from polar_mitm.entry import {entry}" in script    # what the installed command runs
 
 def test_up_exits_1_saying_why_when_the_proxy_dies(tmp_path):
     port, rport = launch.free_ports(2)

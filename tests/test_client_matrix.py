@@ -101,3 +101,32 @@ def test_the_unencoded_name_is_what_broke_curl(gateway):
     env = {**os.environ, "HTTPS_PROXY": f"http://{sid}:x@127.0.0.1:{gateway.port}", "SSL_CERT_FILE": gateway.ca}
     done = subprocess.run(CLIENTS["curl"](gateway), env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 5 and "proxy" in done.stderr.lower(), (done.returncode, done.stderr)
+
+
+def test_a_curl_command_harness_in_the_loop_records_its_calls(tmp_path):
+    """The held-out task file that made 0 calls: a `command` harness that calls the model with
+    curl through the HTTPS_PROXY the node sets, in `polar-train loop` (session names
+    TASK@RUN.I~SAMPLE). Every sample's call is recorded under its own session and trained."""
+    from grpo_data import tiny_model_dir
+    from test_loop_faults import TRAIN, LoopRun
+
+    model = str(tiny_model_dir(tmp_path / "model"))
+    curl = (f"curl -sS --fail-with-body -X POST {URL} -H 'content-type: application/json' "
+            f"-H 'authorization: Bearer x' -d '{BODY}' -o answer.json")
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n".join(json.dumps({"task_id": t, "instruction": "say ok", "harness": "command",
+                                           "command": curl, "timeout": 60,
+                                           "evaluator": "grep -q chat.completion answer.json && echo $POLAR_SAMPLE"})
+                               for t in ("curl-a", "curl-b")) + "\n")
+    out = tmp_path / "run"
+    with FakeVLLM() as fake:
+        run = LoopRun([TRAIN, "loop", "--tasks", str(tasks), "--iterations", "1", "--out", str(out),
+                       "--samples", "2", "--backend", fake.url, "--model", model, "--lr", "1e-3",
+                       "--token-budget", "256", "--workers", "2", "--max-tokens", "8"])
+        assert run.wait(300) == 0, run.output[-3000:]
+    run_id = json.loads((out / "loop.json").read_text())["run_id"]
+    rows = query(out / "rollouts.duckdb", "SELECT c.session_id, s.source, s.reward FROM calls c "
+                                          "JOIN sessions s USING (session_id) ORDER BY 1")[1]
+    assert rows == [(f"{t}@{run_id}.0~{i}", "proxy_user", float(i)) for t in ("curl-a", "curl-b") for i in (0, 1)]
+    trained = query(out / "rollouts.duckdb", "SELECT calls FROM loop_iterations")[1]
+    assert trained == [(4,)], trained

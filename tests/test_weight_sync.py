@@ -68,7 +68,8 @@ def test_no_call_straddles_a_sync(start_proxy):
         assert len(answers) == 16
         # (while the backend is still up: once it is gone the gateway no longer vouches for it)
         assert policy(proxy) == {"version": 1, "checkpoint": "/ckpt/1", "holding": False, "held": 0,
-                                 "in_flight": 0, "asleep": False, "verified": True, "epoch": 0}
+                                 "in_flight": 0, "asleep": False, "verified": True, "epoch": 0,
+                                 "losses": 0}
 
     assert report["version"] == 1 and report["drained"] == 8 and report["held"] >= 1, report
     (r0, r1, _), = fake.reloads

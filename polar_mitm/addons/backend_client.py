@@ -32,10 +32,13 @@ class NoWeightInfo(AdapterError):
     status, kind = 502, "api_error"
 
 
+TAG_PREFIX = "polar-v"
+
+
 def weight_tag(version: int) -> str:
-    """The tag a sync gives vLLM's weights: distinct from anything vLLM starts with, so a
-    restarted server (back on the weights of its command line) never passes for version N."""
-    return f"polar-v{version}"
+    """The tag a sync gives vLLM's weights: distinct from anything vLLM starts with ("default"),
+    so a restarted server (back on the weights of its command line) never passes for version N."""
+    return f"{TAG_PREFIX}{version}"
 
 
 class BackendClient:

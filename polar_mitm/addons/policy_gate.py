@@ -55,6 +55,8 @@ class PolicyGate:
         self.asleep = False     # the backend sleeps (colocated with the trainer): calls are held
         self.verified = True    # the backend serves `version` as far as the gateway knows
         self.epoch = 0          # times the gateway lost track of what the backend serves
+        self.losses = 0         # of those, the ones where it served something else for sure
+        self.suspect = False    # lost only on a suspicion (its connection ended): not for sure yet
 
     def _events(self) -> tuple[asyncio.Event, asyncio.Event, asyncio.Lock]:
         if self._open is None or self._idle is None or self._syncing is None:   # made on the loop that uses them
@@ -67,21 +69,25 @@ class PolicyGate:
         holding = self._open is not None and not self._open.is_set()
         return {"version": self.version, "checkpoint": self.checkpoint, "holding": holding,
                 "held": self.held, "in_flight": self.in_flight, "asleep": self.asleep,
-                "verified": self.verified, "epoch": self.epoch}
+                "verified": self.verified, "epoch": self.epoch, "losses": self.losses}
 
-    def lost(self) -> bool:
+    def lost(self, sure: bool = True) -> bool:
         """The backend no longer serves what the gateway set (it restarted, someone else
-        synced it): calls record None until the next sync. True the first time."""
-        if not self.verified:
-            return False
-        self.verified = False
-        self.epoch += 1
-        return True
+        synced it), or may not (sure=False: its process may have died): calls record None
+        until the next sync or vouch(). True the first time."""
+        first = self.verified
+        if first:
+            self.verified = False
+            self.epoch += 1
+        if sure and (first or self.suspect):
+            self.losses += 1
+        self.suspect = not sure and (first or self.suspect)
+        return first
 
     def vouch(self) -> None:
         """The backend is seen to serve `version` again (its tag read back): later calls
         record it. The epoch stays: calls that ran while it was lost keep None."""
-        self.verified = True
+        self.verified, self.suspect = True, False
 
     @asynccontextmanager
     async def call(self) -> AsyncIterator[Ticket]:
@@ -149,6 +155,7 @@ class PolicyGate:
                     self.lost()      # half a swap (reloaded, not tagged): what serves is unknown
                 raise
             self.version, self.checkpoint, self.asleep, self.verified = version, checkpoint, False, True
+            self.suspect = False
             return steps
         steps, drained, held, drain_s, swap_s = await self._while_held(go)
         return SyncReport(version, checkpoint, held, drained, drain_s, swap_s, drain_s + swap_s, steps)

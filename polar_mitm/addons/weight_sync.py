@@ -35,7 +35,7 @@ from mitmproxy import ctx, exceptions, http
 from polar_mitm.adapters.chat import AdapterError
 from polar_mitm.adapters.detect import split_path
 
-from .backend_client import BackendClient, NoWeightInfo, weight_tag
+from .backend_client import TAG_PREFIX, BackendClient, NoWeightInfo, weight_tag
 from .backend_http import BackendHTTP
 from .control import Control
 from .policy_gate import PolicyGate
@@ -65,7 +65,6 @@ class VersionWatch:
         self._kept_base = ""
         self._lock: asyncio.Lock | None = None
         self._resyncing = False
-        self._suspect = False    # lost only because the kept connection ended
 
     def report(self) -> dict:
         return {"state": self.state, "error": self.error, "checked_at": self.checked_at, "checks": self.checks,
@@ -90,10 +89,10 @@ class VersionWatch:
             self.checks += 1
             self.checked_at = time.time()
             if self.expected is None:
-                # The first tag read: an untagged vLLM (a fresh process nobody synced) is
-                # tagged as the version the gateway starts with, so that a restart shows;
-                # one already tagged (a sync's, maybe another gateway's) is taken as it is.
-                if tag is None:
+                # The first tag read: an untagged vLLM (a fresh process nobody synced: vLLM
+                # says "default") is tagged as the version the gateway starts with, so that a
+                # restart shows; one a sync tagged (maybe another gateway's) is taken as it is.
+                if tag is None or not tag.startswith(TAG_PREFIX):
                     try:
                         await self.backend.set_weight_version(self.gate.version)
                         tag = weight_tag(self.gate.version)
@@ -103,12 +102,10 @@ class VersionWatch:
                 self.expected = tag
             expected = self.expected
             if tag == expected:
-                if not self.gate.verified and self._suspect:
+                if not self.gate.verified and self.gate.suspect:
                     self.gate.vouch()     # only its connection had ended: the weights are still its own
-                self._suspect = False
                 self.state, self.error = ("ok" if self.gate.verified else "lost"), None
             else:
-                self._suspect = False
                 self.state, self.error = "lost", f"the backend's weights are tagged {tag!r}, not {expected!r}"
                 if self.gate.lost():
                     self.losses += 1
@@ -170,9 +167,8 @@ class VersionWatch:
 
     def _lost_connection(self) -> None:
         self.connection_ends += 1
-        if self.expected is not None and self.state == "ok" and self.gate.lost():
-            self._suspect = True          # the next check tells a restart from a close
-            self.losses += 1
+        if self.expected is not None and self.state == "ok" and self.gate.lost(sure=False):
+            # the next check tells a restart (a foreign tag) from a close (its own)
             log.warning("polar: the backend closed the version watch's connection (a restart?): calls record "
                         "no version until its weights' tag is read back")
 
@@ -272,7 +268,7 @@ class WeightSync:
         it read when a session started."""
         state = await self.watch.check()
         body = {"state": state, "verified": self.gate.verified, "epoch": self.gate.epoch,
-                "version": self.gate.version, "error": self.watch.error}
+                "losses": self.gate.losses, "version": self.gate.version, "error": self.watch.error}
         return http.Response.make(200, orjson.dumps(body), _JSON)
 
     async def _sleep(self, req: http.Request) -> http.Response:

@@ -81,7 +81,7 @@ class Work:
     result: RunResult | Exception | None = None   # the harness's run, or why it could not start
     outages: int | None = None        # the node's backend outages when its harness started
     calls: dict[str, Any] | None = None   # its call stats (journal.call_stats), read once it ran
-    epoch: int | None = None          # the gateway's epoch (its losses of the backend's weights) at RUN
+    epoch: int | None = None          # the gateway's count of weights it found changed under it, at RUN
 
     @property
     def box(self) -> Sandbox:
@@ -562,23 +562,24 @@ class GatewayNode:
         return None
 
     def _gateway_epoch(self) -> int | None:
-        """How many times the gateway has lost track of the backend's weights (its health
-        check; None without a control token, or where it does not answer)."""
+        """How many times the gateway found its backend serving other weights than it set (a
+        restart, a foreign sync; its health check; None without a control token, or where it
+        does not answer)."""
         if not self.cfg.control_token:
             return None
         try:
             r = httpx.get("http://polar.health/_polar/health", proxy=f"http://127.0.0.1:{self.cfg.proxy_port}",
                           headers={"authorization": f"Bearer {self.cfg.control_token}"}, trust_env=False,
                           timeout=30.0)
-            return int(r.json()["policy"]["epoch"]) if r.status_code == 200 else None
+            return int(r.json()["policy"]["losses"]) if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return None
 
     def _verify_gateway(self) -> int | None:
-        """The gateway's epoch after a fresh read of vLLM's weight tag (/_polar/verify)."""
+        """That count after a fresh read of vLLM's weight tag (/_polar/verify)."""
         try:
             r = self._control("/_polar/verify", {})
-            return int(r.json()["epoch"]) if r.status_code == 200 else None
+            return int(r.json()["losses"]) if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return None
 

@@ -326,21 +326,31 @@ class LocalRuntime:
         return box
 
 
-@functools.cache
+_DROP: tuple[str, ...] | None = None
+
+
 def _drop_privileges() -> tuple[str, ...]:
     """The fallback sandbox's commands run without capabilities: as root they would read any
     process's memory and environment in /proc (the proxy's control token, the node's) and
     files of any owner. setpriv empties the bounding set, so nothing the session execs gets
-    one back. () where setpriv is missing or refused (a warning says so)."""
-    argv: tuple[str, ...] = ("setpriv", "--bounding-set", "-all", "--inh-caps", "-all", "--no-new-privs", "--")
-    if os.geteuid() != 0:
-        argv = ("setpriv", "--no-new-privs", "--")      # no capabilities to drop
-    try:
-        if subprocess.run([*argv, "true"], capture_output=True, timeout=10).returncode == 0:
-            return argv
-    except (OSError, subprocess.SubprocessError):
-        pass
-    log.warning("WARNING: setpriv is missing or refused: fallback sandboxes keep the node's privileges")
+    one back. () where setpriv is missing or refused (a warning says so, and the next
+    session asks again). Found by its absolute path: a session's PATH is its own."""
+    global _DROP
+    if _DROP is not None:
+        return _DROP
+    exe = shutil.which("setpriv") or next((p for p in ("/usr/bin/setpriv", "/bin/setpriv") if os.path.exists(p)),
+                                          None)
+    if exe:
+        argv: tuple[str, ...] = (exe, "--bounding-set", "-all", "--inh-caps", "-all", "--no-new-privs", "--")
+        if os.geteuid() != 0:
+            argv = (exe, "--no-new-privs", "--")      # no capabilities to drop
+        try:
+            if subprocess.run([*argv, "/bin/true"], capture_output=True, timeout=10).returncode == 0:
+                _DROP = argv
+                return argv
+        except (OSError, subprocess.SubprocessError):
+            pass
+    log.warning("WARNING: setpriv is missing or refused: this fallback sandbox keeps the node's privileges")
     return ()
 
 

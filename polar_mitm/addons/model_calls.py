@@ -237,9 +237,10 @@ class ModelCalls:
         # mitmdump prints the URL of every flow: a ?key= secret must not reach its log.
         query = split_path(req.path)[1]
         req.path = sessions.redact_query(req.path)
-        if self._refused(flow, style, query):
+        claim = self._claim(flow, query)
+        if self._refused(flow, style, claim):
             return
-        call = self.begin(flow, style, body, text, query)
+        call = self.begin(flow, style, body, text, query, claim.session)
         answer = asyncio.ensure_future(self.finish(call, body))
         del body   # the call holds it only as long as it needs it (see _serve)
         request = call.request
@@ -262,20 +263,22 @@ class ModelCalls:
         if (flow.response is None and flow.error and "body_size_limit" in flow.error.msg
                 and self.may_be_model_call(flow.request)):
             style = adapters.detect(flow.request.method, flow.request.path, header_dict(flow.request))
-            if style and not self._refused(flow, style, split_path(flow.request.path)[1]):
+            claim = self._claim(flow, split_path(flow.request.path)[1]) if style else None
+            if style and claim and not self._refused(flow, style, claim):
                 too_large = BodyTooLarge(f"request body is larger than polar_max_body ({self.max_body} bytes)")
-                await self.finish(self.begin(flow, style, too_large, None, split_path(flow.request.path)[1]), None)
+                await self.finish(self.begin(flow, style, too_large, None, split_path(flow.request.path)[1],
+                                             claim.session), None)
 
-    def _refused(self, flow: http.HTTPFlow, style: str, query: str) -> bool:
+    def _refused(self, flow: http.HTTPFlow, style: str, claim: sessions.Claim) -> bool:
         """With polar_session_auth on, a call that names a session without that session's
         credential gets a 403 in its provider's shape, is counted, and is stored nowhere: a
         session cannot write into a sibling's trajectory by naming it."""
-        claim = self._claim(flow, query)
         if self.control.may_store(claim.session.session_id, claim.session.source, claim.credential):
             return False
         self.control.refused += 1
-        log.warning("polar: refused a call naming session %r without its credential (from %s)",
-                    claim.session.session_id[:200], claim.session.client)
+        if self.control.refused <= 10 or self.control.refused % 1000 == 0:   # a flood is not a flood of lines
+            log.warning("polar: refused a call naming session %r without its credential (from %s; %d refused so far)",
+                        claim.session.session_id[:200], claim.session.client, self.control.refused)
         adapter = adapters.adapter(style)
         message = "this call does not carry the credential of the session it names (polar_session_auth)"
         flow.response = http.Response.make(403, orjson.dumps(adapter.error(403, message, "authentication")), _JSON)
@@ -288,13 +291,14 @@ class ModelCalls:
 
     # ---- one call ----------------------------------------------------------------------
 
-    def begin(self, flow: http.HTTPFlow, style: str, body: Any, text: bytes | None, query: str) -> Call:
+    def begin(self, flow: http.HTTPFlow, style: str, body: Any, text: bytes | None, query: str,
+              session: SessionInfo | None = None) -> Call:
         """A call's start: its session, its record, and its body in the chat shape (a body
         that has none is the call's failure, which finish answers and records)."""
         t0 = time.perf_counter()
         adapter = adapters.adapter(style)
         req = flow.request
-        session = self._session(flow, query)
+        session = session or self._session(flow, query)
         record = CallRecord(call_id=new_id(), style=style, method=req.method,
                             path=sessions.redact_query(req.path), started_at=time.time(),
                             # The harness's bytes as sent: the conversation is stored once, and

@@ -32,6 +32,7 @@ class Stack:
         self.services: list[Service] = []
         self.server: RolloutServer | None = None
         self.nodes: list[GatewayNode] = []
+        self.weights: dict[str, str] = {}     # a vLLM this stack started (its URL) -> the weights it serves
 
     def __enter__(self) -> "Stack":
         return self
@@ -55,7 +56,16 @@ class Stack:
             model_dir, port=vport, served_name=DEFAULT_MODEL_NAME, log_path=logs / "vllm.log",
             max_model_len=max_model_len, chat_template=launch.TEMPLATES / "smollm2_tools.jinja", dtype=dtype))
         click.echo(f"vLLM ready after {time.time() - t0:.0f}s")
-        return f"http://127.0.0.1:{vport}"
+        url = f"http://127.0.0.1:{vport}"
+        self.weights[url] = str(Path(model_dir).resolve())
+        return url
+
+    def _checkpoint_sets(self, backend: str, sets: list[str]) -> list[str]:
+        """polar_policy_checkpoint for a backend this stack started (its gateway reloads those
+        weights itself if it restarts), unless the caller gave one."""
+        if backend in self.weights and not any(s.startswith("polar_policy_checkpoint=") for s in sets):
+            return [*sets, f"polar_policy_checkpoint={self.weights[backend]}"]
+        return sets
 
     def start_gateway(self, db: str, backend: str, port: int, reverse_port: int | None, confdir: str | Path,
                       logs: Path, max_model_len: int, model: str = "", dtype: str = "float32",
@@ -67,7 +77,8 @@ class Stack:
         self.add(launch.start_proxy(db=db, backend=backend, port=port, confdir=confdir,
                                     log_path=logs / "mitmdump.log", reverse_port=reverse_port,
                                     control_token=control_token,
-                                    extra_sets=["polar_session_auth=on"] if control_token else None))
+                                    extra_sets=self._checkpoint_sets(
+                                        backend, ["polar_session_auth=on"] if control_token else [])))
         return backend
 
     def start_server(self, db: str, **options: Any) -> RolloutServer:
@@ -87,7 +98,7 @@ class Stack:
         sets = [f"polar_sampling={','.join(sampling)}"] if sampling else []
         # Every call must carry its session's credential (made under the token): a session
         # cannot name a sibling's.
-        sets += ["polar_session_auth=on", *(extra_sets or [])]
+        sets = self._checkpoint_sets(backend, [*sets, "polar_session_auth=on", *(extra_sets or [])])
         confdir = work / "mitmproxy"
         self.add(launch.start_proxy(db=db, backend=backend, port=proxy_port, confdir=confdir,
                                     log_path=work / "mitmdump.log", extra_sets=sets, control_token=token))

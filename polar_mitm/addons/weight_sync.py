@@ -111,9 +111,27 @@ class VersionWatch:
                     self.losses += 1
                     log.error("polar: version %d is no longer served (%s): calls record no version until a sync",
                               self.gate.version, self.error)
+                if self.gate.checkpoint is None and (tag is None or not tag.startswith(TAG_PREFIX)):
+                    await self._readopt(tag)
         if not self.gate.verified and self.gate.checkpoint and not self.gate.asleep and not self._resyncing:
             await self._resync()
         return self.state
+
+    async def _readopt(self, tag: str | None) -> None:
+        """A gateway that never synced (nor was told its checkpoint) took an untagged vLLM
+        as its start version; a restarted one, untagged again, is taken the same way: tagged,
+        and vouched for from now on. The calls across the restart stay unknown (the loss
+        above), and polar_policy_checkpoint would have it reload its weights instead."""
+        try:
+            await self.backend.set_weight_version(self.gate.version)
+        except AdapterError as e:
+            self.error = f"{self.error}; tagging it failed: {e}"
+            return
+        self.expected = weight_tag(self.gate.version)
+        self.gate.vouch()
+        self.state, self.error = "ok", None
+        log.warning("polar: the backend came back untagged (%r): what it serves is taken as version %d again, as "
+                    "at start (polar_policy_checkpoint would have it reloaded instead)", tag, self.gate.version)
 
     def lock(self) -> asyncio.Lock:
         """Held by a check, and by a sync's swap: a check never reads a tag half-way through one."""

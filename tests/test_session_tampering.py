@@ -8,6 +8,7 @@ files)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import secrets
 import shutil
@@ -66,7 +67,7 @@ def test_credentials_are_per_session_and_carried_where_the_name_is():
     assert cred != session_auth.credential("other", "add@5f1c2a.0~1")
     url = session_auth.proxy_url("add@5f1c2a.0~1", 8080, cred)
     assert url == f"http://add%405f1c2a.0~1:{cred}@127.0.0.1:8080"
-    header = "Basic " + __import__("base64").b64encode(f"add%405f1c2a.0~1:{cred}".encode()).decode()
+    header = "Basic " + base64.b64encode(f"add%405f1c2a.0~1:{cred}".encode()).decode()
     assert sessions.proxy_auth(header) == ("add@5f1c2a.0~1", cred)     # as sent, or decoded first
     key = session_auth.api_key("add@5f1c2a.0~1", cred)
     claim = sessions.claim(headers={"authorization": f"Bearer {key}"}, query="", proxy=None, client_host="c",

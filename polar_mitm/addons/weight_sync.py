@@ -56,7 +56,7 @@ class VersionWatch:
         self.state = "unchecked"       # ok | lost | unavailable (no /weight_info) | error
         self.error: str | None = None
         self.checked_at: float | None = None     # wall clock of the last check that read a tag
-        self.checks = self.losses = self.resyncs = 0
+        self.checks = self.resyncs = 0
         # The tag the gateway set (a sync, or at start where it knows what vLLM serves); None:
         # it set none yet, and the first tag read is taken as what serves its version.
         self.expected: str | None = None
@@ -68,7 +68,7 @@ class VersionWatch:
 
     def report(self) -> dict:
         return {"state": self.state, "error": self.error, "checked_at": self.checked_at, "checks": self.checks,
-                "losses": self.losses, "resyncs": self.resyncs, "connection_ends": self.connection_ends}
+                "resyncs": self.resyncs, "connection_ends": self.connection_ends}
 
     async def check(self, kept: bool = False) -> str:
         """Read vLLM's tag now (kept: over the watch's own connection); a foreign one loses
@@ -108,7 +108,6 @@ class VersionWatch:
             else:
                 self.state, self.error = "lost", f"the backend's weights are tagged {tag!r}, not {expected!r}"
                 if self.gate.lost():
-                    self.losses += 1
                     log.error("polar: version %d is no longer served (%s): calls record no version until a sync",
                               self.gate.version, self.error)
                 if self.gate.checkpoint is None and (tag is None or not tag.startswith(TAG_PREFIX)):
@@ -325,7 +324,6 @@ class WeightSync:
                 except AdapterError:
                     tag = expected        # down or without the endpoint: the watch says so on its own
                 if tag != expected and self.gate.lost():
-                    self.watch.losses += 1
                     log.error("polar: before the sync, the backend's weights were tagged %r, not %r", tag, expected)
             steps = await self.backend.swap_weights(checkpoint, version, wake)
             self.watch.expected = weight_tag(version)

@@ -261,9 +261,11 @@ def start_proxy(*, db: str | Path, backend: str, port: int, confdir: str | Path,
 
 
 def proxy_env(port: int, confdir: str | Path, user: str | None = None) -> dict[str, str]:
-    """What a harness needs in its environment to go through the proxy."""
-    auth = f"{user}:x@" if user else ""
+    """What a harness needs in its environment to go through the proxy (user: the session
+    it names, percent-encoded as a node's harnesses get it)."""
+    from .rollout.harnesses import CA_VARS
+    from .session_auth import proxy_url
+
+    url = proxy_url(user, port) if user else f"http://127.0.0.1:{port}"
     ca = str(Path(confdir) / "mitmproxy-ca-cert.pem")
-    return {"HTTPS_PROXY": f"http://{auth}127.0.0.1:{port}", "HTTP_PROXY": f"http://{auth}127.0.0.1:{port}",
-            "NODE_EXTRA_CA_CERTS": ca, "SSL_CERT_FILE": ca,
-            "REQUESTS_CA_BUNDLE": ca, "CODEX_CA_CERTIFICATE": ca}
+    return {"HTTPS_PROXY": url, "HTTP_PROXY": url, **{v: ca for v in CA_VARS}}

@@ -16,8 +16,10 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import hmac
+import re
 from urllib.parse import quote
 
+KEY_PREFIX = "polar-"               # an API key that names its session: polar-NAME[,CREDENTIAL]
 CREDENTIAL_SEPARATOR = ","          # in an API key: polar-NAME,CREDENTIAL
 CREDENTIAL_HEX = 32
 
@@ -40,7 +42,26 @@ def proxy_url(session_id: str, port: int, cred: str | None = None, host: str = "
 
 def api_key(session_id: str, cred: str | None = None) -> str:
     """The API key that names the session (and proves it, with a credential)."""
-    return f"polar-{session_id}" + (f"{CREDENTIAL_SEPARATOR}{cred}" if cred else "")
+    return f"{KEY_PREFIX}{session_id}" + (f"{CREDENTIAL_SEPARATOR}{cred}" if cred else "")
+
+
+def parse_api_key(key: str) -> tuple[str, str | None] | None:
+    """(name, credential or None) of a key api_key made; None for any other key."""
+    if not key.startswith(KEY_PREFIX) or len(key) == len(KEY_PREFIX):
+        return None
+    name, _, cred = key[len(KEY_PREFIX):].partition(CREDENTIAL_SEPARATOR)
+    return name, cred or None
+
+
+# A credential wherever a session's output shows it: in its API key, and as the password of
+# its proxy URL.
+_IN_KEY = re.compile(r"(polar-[^\s,]*,)[0-9a-f]{%d}" % CREDENTIAL_HEX)
+_IN_URL = re.compile(r"(://[^/\s:@]*:)[0-9a-f]{%d}@" % CREDENTIAL_HEX)
+
+
+def redact(text: str) -> str:
+    """Text (a harness's output, say) with every session credential replaced, as it may be kept."""
+    return _IN_URL.sub(r"\1[redacted]@", _IN_KEY.sub(r"\1[redacted]", text))
 
 
 _PR_SET_DUMPABLE = 4

@@ -12,7 +12,7 @@ from typing import Any, Iterable
 import click
 import orjson
 
-from . import launch, session_auth
+from . import launch
 from .launch import Service
 from .models import DEFAULT_MODEL_NAME, ensure_default_model
 from .rollout import GatewayNode, NodeConfig, RolloutServer, TaskError, TaskRequest, parse_task
@@ -92,7 +92,6 @@ class Stack:
         control token (handed to mitmdump in a file it removes): weight syncs come through
         the node, and each session's credential is made under it."""
         token = secrets.token_hex(16)
-        session_auth.make_undumpable()    # this process holds it now: its memory is not the sessions' to read
         sampling = ([f"max_tokens={max_tokens}"] if max_tokens else []) + \
             ([f"temperature={temperature}"] if temperature is not None else [])   # the policy's
         sets = [f"polar_sampling={','.join(sampling)}"] if sampling else []

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 
 from polar_mitm.cli import main
 from polar_mitm.rollout import GatewayNode, NodeConfig, RolloutServer
-from polar_mitm.rollout.node import OUTPUT_CHARS, redact
+from polar_mitm.rollout.node import OUTPUT_CHARS
+from polar_mitm.session_auth import redact
 from polar_mitm.rollout.runtime import LocalRuntime
 from polar_mitm.store import init_db, query
 from polar_mitm.store import rollout_journal as journal

@@ -61,6 +61,23 @@ class NodeStack:
         self.proxy.stop()
 
 
+def run_probe(tmp_path: Path, sandbox: str, probe: str, task: dict) -> tuple[NodeStack, dict, dict]:
+    """One task whose workspace holds the probe (as probe.py), run by a node in `sandbox`
+    against a stand-in vLLM: the stack (stopped), the task's group, and the gateway's
+    health once it was done."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    shutil.copy(HERE / probe, ws / "probe.py")
+    with FakeVLLM() as backend:
+        stack = NodeStack(tmp_path, backend.url, sandbox)
+        try:
+            stack.server.submit({"instruction": "x", "harness": "command", "workspace": str(ws), **task})
+            assert stack.server.wait([task["task_id"]], timeout=150)
+            return stack, stack.server.group(task["task_id"]), stack.health()
+        finally:
+            stack.stop()
+
+
 def test_credentials_are_per_session_and_carried_where_the_name_is():
     cred = session_auth.credential("secret", "add@5f1c2a.0~1")
     assert len(cred) == 32 and cred != session_auth.credential("secret", "add@5f1c2a.0~0")
@@ -80,24 +97,13 @@ def test_credentials_are_per_session_and_carried_where_the_name_is():
 
 @needs_bwrap
 def test_a_session_cannot_write_into_a_siblings_trajectory(tmp_path):
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    shutil.copy(HERE / "tamper_probe.py", ws / "probe.py")
-    with FakeVLLM() as backend:
-        stack = NodeStack(tmp_path, backend.url, "bwrap")
-        try:
-            # sample 0 attacks its sibling, sample 1 (one honest call); the evaluator prints
-            # what the attacker's probe got (it sees the workspace)
-            command = (f'case "$POLAR_SESSION" in *~1) {FAKE} ok 1;; '
-                       f'*) {sys.executable} probe.py 1 && {FAKE} ok 1;; esac')
-            stack.server.submit({"task_id": "tamper", "instruction": "x", "harness": "command", "num_samples": 2,
-                                 "timeout": 60, "workspace": str(ws), "command": command,
-                                 "evaluator": "[ -f tamper.json ] && tr -d '\\n' < tamper.json; echo; echo 1"})
-            assert stack.server.wait(["tamper"], timeout=90)
-            group = stack.server.group("tamper")
-            health = stack.health()
-        finally:
-            stack.stop()
+    # sample 0 attacks its sibling, sample 1 (one honest call); the evaluator prints what the
+    # attacker's probe got (it sees the workspace)
+    command = (f'case "$POLAR_SESSION" in *~1) {FAKE} ok 1;; '
+               f'*) {sys.executable} probe.py 1 && {FAKE} ok 1;; esac')
+    stack, group, health = run_probe(tmp_path, "bwrap", "tamper_probe.py", {
+        "task_id": "tamper", "num_samples": 2, "timeout": 60, "command": command,
+        "evaluator": "[ -f tamper.json ] && tr -d '\\n' < tamper.json; echo; echo 1"})
     states = {s["session_id"]: (s["state"], s["reward"]) for s in group["sessions"]}
     assert states == {"tamper~0": ("done", 1.0), "tamper~1": ("done", 1.0)}, group
     # stored: the sibling's one call, and the attacker's own two (the probe's and the harness's)
@@ -117,23 +123,11 @@ def test_a_session_cannot_write_into_a_siblings_trajectory(tmp_path):
 
 
 def test_in_the_fallback_sandbox_the_control_token_cannot_be_read(tmp_path):
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    shutil.copy(HERE / "secret_probe.py", ws / "probe.py")
-    with FakeVLLM() as backend:
-        stack = NodeStack(tmp_path, backend.url, "local")
-        try:
-            # the probe runs as the harness, then the test reads what it kept
-            stack.server.submit({"task_id": "peek", "instruction": "x", "harness": "command", "num_samples": 1,
-                                 "timeout": 120, "workspace": str(ws),
-                                 "command": f"{sys.executable} probe.py {stack.confdir} {tmp_path} "
-                                            f"&& cp -r seen probe.json {tmp_path}/",
-                                 "evaluator": "echo 1"})
-            assert stack.server.wait(["peek"], timeout=150)
-            group = stack.server.group("peek")
-            mitmdump = stack.proxy.proc.pid
-        finally:
-            stack.stop()
+    # the probe runs as the harness, then the test reads what it kept
+    stack, group, _ = run_probe(tmp_path, "local", "secret_probe.py", {
+        "task_id": "peek", "num_samples": 1, "timeout": 120, "evaluator": "echo 1",
+        "command": f"{sys.executable} probe.py {tmp_path / 'mitmproxy'} {tmp_path} && cp -r seen probe.json {tmp_path}/"})
+    mitmdump = stack.proxy.proc.pid
     (s,) = group["sessions"]
     assert s["state"] == "done", s
     report = json.loads((tmp_path / "probe.json").read_text())

@@ -41,6 +41,11 @@ def weight_tag(version: int) -> str:
     return f"{TAG_PREFIX}{version}"
 
 
+def untagged(tag: str | None) -> bool:
+    """A tag no sync set (vLLM's own "default" at start): the weights of its command line."""
+    return tag is None or not tag.startswith(TAG_PREFIX)
+
+
 class BackendClient:
     def __init__(self):
         self.client: BackendHTTP | None = None

@@ -15,11 +15,10 @@ import re
 from typing import Mapping, NamedTuple
 from urllib.parse import unquote
 
-from polar_mitm.session_auth import CREDENTIAL_SEPARATOR
+from polar_mitm.session_auth import parse_api_key
 from polar_mitm.session_ids import task_of      # the session-id rule's one place
 from polar_mitm.store.records import SessionInfo
 
-SESSION_KEY_PREFIX = "polar-"
 SCHEMES = ("auto", "proxy-user", "api-key", "client")
 _SAFE = re.compile(r"[^A-Za-z0-9._~+=@:/-]")
 
@@ -67,18 +66,11 @@ def proxy_user(proxy_authorization: str | None) -> str | None:
 
 
 def key_session(key: str, salt: str) -> tuple[str, str]:
-    if key.startswith(SESSION_KEY_PREFIX) and len(key) > len(SESSION_KEY_PREFIX):
-        name = key[len(SESSION_KEY_PREFIX):].partition(CREDENTIAL_SEPARATOR)[0]
-        return clean(name), "api_key"
+    named = parse_api_key(key)
+    if named:
+        return clean(named[0]), "api_key"
     digest = hashlib.sha256(f"{salt}:{key}".encode()).hexdigest()[:16]
     return f"key-{digest}", "key_hash"
-
-
-def key_credential(key: str | None) -> str | None:
-    """The credential in a session's API key (polar-NAME,CREDENTIAL), if any."""
-    if not key or not key.startswith(SESSION_KEY_PREFIX):
-        return None
-    return key.partition(CREDENTIAL_SEPARATOR)[2] or None
 
 
 def clean(name: str) -> str:
@@ -108,7 +100,7 @@ def claim(*, headers: Mapping[str, str], query: str, proxy: ProxyAuth | None,
         key = api_key(headers, query)
         if key:
             session_id, source = key_session(key, salt)
-            credential = key_credential(key)
+            credential = (parse_api_key(key) or ("", None))[1]
     if session_id is None:
         session_id, source = f"default-{client_host}-{user_agent_product(ua)}", "default"
     return Claim(SessionInfo(session_id, task_id=task_of(session_id), source=source, client=client_host,

@@ -35,7 +35,7 @@ from mitmproxy import ctx, exceptions, http
 from polar_mitm.adapters.chat import AdapterError
 from polar_mitm.adapters.detect import split_path
 
-from .backend_client import TAG_PREFIX, BackendClient, NoWeightInfo, weight_tag
+from .backend_client import BackendClient, NoWeightInfo, untagged, weight_tag
 from .backend_http import BackendHTTP
 from .control import Control
 from .policy_gate import PolicyGate
@@ -92,14 +92,15 @@ class VersionWatch:
                 # The first tag read: an untagged vLLM (a fresh process nobody synced: vLLM
                 # says "default") is tagged as the version the gateway starts with, so that a
                 # restart shows; one a sync tagged (maybe another gateway's) is taken as it is.
-                if tag is None or not tag.startswith(TAG_PREFIX):
+                if untagged(tag):
                     try:
-                        await self.backend.set_weight_version(self.gate.version)
-                        tag = weight_tag(self.gate.version)
+                        await self._tag_as_served()
                     except AdapterError as e:
                         self.state, self.error = "error", str(e)
                         return self.state
-                self.expected = tag
+                    tag = self.expected
+                else:
+                    self.expected = tag
             expected = self.expected
             if tag == expected:
                 if not self.gate.verified and self.gate.suspect:
@@ -110,7 +111,7 @@ class VersionWatch:
                 if self.gate.lost():
                     log.error("polar: version %d is no longer served (%s): calls record no version until a sync",
                               self.gate.version, self.error)
-                if self.gate.checkpoint is None and (tag is None or not tag.startswith(TAG_PREFIX)):
+                if self.gate.checkpoint is None and untagged(tag):
                     await self._readopt(tag)
         if not self.gate.verified and self.gate.checkpoint and not self.gate.asleep and not self._resyncing:
             await self._resync()
@@ -122,15 +123,25 @@ class VersionWatch:
         and vouched for from now on. The calls across the restart stay unknown (the loss
         above), and polar_policy_checkpoint would have it reload its weights instead."""
         try:
-            await self.backend.set_weight_version(self.gate.version)
+            await self._tag_as_served()
         except AdapterError as e:
             self.error = f"{self.error}; tagging it failed: {e}"
             return
-        self.expected = weight_tag(self.gate.version)
         self.gate.vouch()
         self.state, self.error = "ok", None
         log.warning("polar: the backend came back untagged (%r): what it serves is taken as version %d again, as "
                     "at start (polar_policy_checkpoint would have it reloaded instead)", tag, self.gate.version)
+
+    async def _tag_as_served(self) -> None:
+        """Tags what vLLM serves now as the gateway's version (AdapterError where it cannot)."""
+        await self.backend.set_weight_version(self.gate.version)
+        self.expected = weight_tag(self.gate.version)
+
+    async def swap(self, checkpoint: str, version: int, wake: bool) -> dict[str, float]:
+        """vLLM reloads checkpoint, tagged as version: the tag the watch expects from then on."""
+        steps = await self.backend.swap_weights(checkpoint, version, wake)
+        self.expected = weight_tag(version)
+        return steps
 
     def lock(self) -> asyncio.Lock:
         """Held by a check, and by a sync's swap: a check never reads a tag half-way through one."""
@@ -144,7 +155,7 @@ class VersionWatch:
             return
         self._resyncing = True
         try:
-            await self.gate.sync(lambda wake: self.backend.swap_weights(checkpoint, version, wake), version, checkpoint)
+            await self.gate.sync(lambda wake: self.swap(checkpoint, version, wake), version, checkpoint)
         except AdapterError as e:
             log.error("polar: re-syncing version %d from %s failed (tried again at the next check): %s",
                       version, checkpoint, e)
@@ -152,7 +163,6 @@ class VersionWatch:
         finally:
             self._resyncing = False
         self.resyncs += 1
-        self.expected = weight_tag(version)
         self.state, self.error = "ok", None
         log.warning("polar: the backend serves version %d again (reloaded %s)", version, checkpoint)
 
@@ -325,9 +335,7 @@ class WeightSync:
                     tag = expected        # down or without the endpoint: the watch says so on its own
                 if tag != expected and self.gate.lost():
                     log.error("polar: before the sync, the backend's weights were tagged %r, not %r", tag, expected)
-            steps = await self.backend.swap_weights(checkpoint, version, wake)
-            self.watch.expected = weight_tag(version)
-            return steps
+            return await self.watch.swap(checkpoint, version, wake)
         try:
             report = await self.gate.sync(swap, version, checkpoint)
         except AdapterError as e:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import re
 import threading
 import time
 import uuid
@@ -92,17 +91,6 @@ class Work:
 
 
 OUTPUT_CHARS = 4000    # the tail of the harness's and of the evaluator's output that is kept
-
-# A session's credential, wherever its output shows it (session_auth.py): the API key
-# polar-NAME,CREDENTIAL and the proxy URL's password http://NAME:CREDENTIAL@host.
-_SECRETS = (re.compile(r"(polar-[^\s,]*,)[0-9a-f]{32}"), re.compile(r"(://[^/\s:@]*:)[0-9a-f]{32}@"))
-
-
-def redact(text: str) -> str:
-    """Output with every session credential replaced, as it may be kept."""
-    text = _SECRETS[0].sub(r"\1[redacted]", text)
-    return _SECRETS[1].sub(r"\1[redacted]@", text)
-
 
 def release_cause(stats: Mapping[str, Any]) -> tuple[ReleaseCause, str] | None:
     """Why a session must not be scored, from its recorded calls (journal.call_stats): some
@@ -357,10 +345,12 @@ class GatewayNode:
             return {**report, "asleep": True, "detail": r.json()}
         return {**report, **wanted, "detail": r.json()}
 
-    def _control(self, path: str, body: dict) -> httpx.Response:
-        return httpx.post(f"http://polar.sync{path}", json=body, proxy=f"http://127.0.0.1:{self.cfg.proxy_port}",
-                          headers={"authorization": f"Bearer {self.cfg.control_token}"},
-                          trust_env=False, timeout=httpx.Timeout(900.0, connect=5.0))
+    def _control(self, path: str, body: dict | None = None) -> httpx.Response:
+        """The proxy's control endpoint at path, with its token: POST body, or GET without one."""
+        return httpx.request("GET" if body is None else "POST", f"http://polar.control{path}", json=body,
+                             proxy=f"http://127.0.0.1:{self.cfg.proxy_port}",
+                             headers={"authorization": f"Bearer {self.cfg.control_token}"},
+                             trust_env=False, timeout=httpx.Timeout(900.0, connect=5.0))
 
     def _accept(self, a: Assignment) -> None:
         w = Work(a["session_id"], task_from_json(a["task"]), a.get("attempt", 1))
@@ -457,12 +447,12 @@ class GatewayNode:
         r = w.result
         tail = getattr(r, "output_tail", None)
         if isinstance(tail, str):    # kept: rollout_sessions.harness_output
-            w.stats["harness_output"] = redact(tail)[-OUTPUT_CHARS:]
+            w.stats["harness_output"] = session_auth.redact(tail)[-OUTPUT_CHARS:]
         if w.cancelled or (r is not None and getattr(r, "cancelled", False)):
             self._report(w, Session.CANCELLED, reason="cancelled", stats=self._stats(w))
             return
         if isinstance(r, Exception):
-            self._report(w, Session.FAILED, reason=f"harness could not start: {redact(str(r))}", stats=w.stats)
+            self._report(w, Session.FAILED, reason=f"harness could not start: {session_auth.redact(str(r))}", stats=w.stats)
             return
         # Before the harness's own outcome: an outage may have made it fail or time out.
         released = self._released(w)
@@ -480,7 +470,7 @@ class GatewayNode:
             self._report(w, Session.TIMED_OUT, reward=0.0, reason=why, stats=self._stats(w))
             return
         if r.exit_code != 0:
-            self._failed(w, f"harness exited with code {r.exit_code}: {redact(r.output_tail)[-500:].strip()}")
+            self._failed(w, f"harness exited with code {r.exit_code}: {session_auth.redact(r.output_tail)[-500:].strip()}")
             return
         reward: float | None = None
         reason: str | None = None
@@ -496,7 +486,7 @@ class GatewayNode:
                 env["POLAR_OUTPUT"] = str(Path(logs) / "harness.log")
             er = box.run(["/bin/sh", "-c", ev.command], env, ev.timeout, "evaluator")
             w.stats["eval_s"] = round(time.monotonic() - t0, 3)
-            w.stats["eval_output"] = redact(er.output_tail)[-OUTPUT_CHARS:]
+            w.stats["eval_output"] = session_auth.redact(er.output_tail)[-OUTPUT_CHARS:]
             if er.cancelled:
                 self._report(w, Session.CANCELLED, reason="cancelled", stats=self._stats(w))
                 return
@@ -568,9 +558,7 @@ class GatewayNode:
         if not self.cfg.control_token:
             return None
         try:
-            r = httpx.get("http://polar.health/_polar/health", proxy=f"http://127.0.0.1:{self.cfg.proxy_port}",
-                          headers={"authorization": f"Bearer {self.cfg.control_token}"}, trust_env=False,
-                          timeout=30.0)
+            r = self._control("/_polar/health")
             return int(r.json()["policy"]["losses"]) if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return None

@@ -9,7 +9,6 @@ recorded before the rule are judged the same way."""
 
 from __future__ import annotations
 
-import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -255,7 +254,5 @@ def set_rewards(db: str | os.PathLike, records: Iterable[Mapping[str, Any]], tim
         reward = r.get("reward")
         if isinstance(reward, bool) or not isinstance(reward, (int, float)):
             raise ValueError(f"record {i + 1} ({r['session_id']}): reward must be a number")
-        if not math.isfinite(reward):
-            raise ValueError(f"record {i + 1} ({r['session_id']}): reward must be a finite number, not {reward!r}")
         rewards.append(Reward(r["session_id"], float(reward), r.get("info")))
     return store_rewards(db, rewards, timeout)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -101,11 +102,34 @@ def open_private_log(path: Path):
         raise
 
 
+LOG_MAX_BYTES = 32 << 20   # a service's log past this is moved to LOG.1 (one kept): long runs stay bounded
+LOG_CHECK_S = 10.0
+
+
+def cap_log(path: Path, max_bytes: int = LOG_MAX_BYTES) -> bool:
+    """Copy a log past max_bytes to PATH.1 and empty it in place (logrotate's copytruncate):
+    the child keeps its file open with O_APPEND, so its next line starts the file again.
+    Lines written between the copy and the truncation are lost (a moment, once per cap)."""
+    try:
+        if path.stat().st_size <= max_bytes:
+            return False
+        old = path.with_name(path.name + ".1")
+        tmp = path.with_name(path.name + ".1.tmp")
+        with open(path, "rb") as src, open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        os.replace(tmp, old)
+        os.truncate(path, 0)
+        return True
+    except OSError:
+        return False
+
+
 class Service:
-    """A child process in its own process group, stopped with everything it spawned."""
+    """A child process in its own process group, stopped with everything it spawned; its
+    log is kept under LOG_MAX_BYTES (and one older LOG.1) while it runs."""
 
     def __init__(self, name: str, argv: list[str], env: dict | None = None, log_path: Path | None = None,
-                 umask: int | None = None):
+                 umask: int | None = None, log_max_bytes: int = LOG_MAX_BYTES):
         self.name, self.argv = name, argv
         self.log_path = Path(log_path) if log_path else None
         log = open_private_log(self.log_path) if self.log_path else None
@@ -119,6 +143,17 @@ class Service:
                 log.close()   # the child has its own copy
         # stopped with this process even if it is SIGKILLed (no stop() will run then)
         janitor().watch_group(self.proc.pid)
+        if self.log_path is not None:
+            threading.Thread(target=self._cap_log, args=(self.log_path, log_max_bytes), daemon=True,
+                             name=f"{name}-log").start()
+
+    def _cap_log(self, path: Path, max_bytes: int) -> None:
+        while True:
+            try:
+                self.proc.wait(LOG_CHECK_S)
+                return
+            except subprocess.TimeoutExpired:
+                cap_log(path, max_bytes)
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import math
 import os
 import secrets
 import shutil
@@ -46,6 +47,7 @@ from .store import init_db, rollout_journal
 from .store.loop import iterations as stored_iterations
 from .store.loop import IterationRow, TaskRewards, record_iteration, record_version
 from .store.training import set_rewards, training_calls
+from .trackers import Trackers, open_trackers
 
 
 @dataclass
@@ -112,6 +114,7 @@ def _run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None]) -> list
         raise LoopError(f"another loop is running on {out}") from None
     stack = Stack()
     client = None
+    trackers = Trackers()
     try:
         # The loop's own tables; on one machine the same file holds the calls and rewards.
         db = str(out / ("loop.duckdb" if opts.server else "rollouts.duckdb"))
@@ -138,6 +141,9 @@ def _run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None]) -> list
         if state is None:   # saved at once: a rerun after a kill resumes this run's task ids
             state = LoopState(run_id=secrets.token_hex(3))
             state.save(out)
+        # one tracker run per loop run: a resume continues it
+        trackers = open_trackers(opts.report_to, out, state.run_id, echo=echo,
+                                 config={"loop": asdict(opts), "train": asdict(train_cfg)})
         base = str(Path(opts.model).resolve()) if opts.model else str(ensure_default_model(log=echo))
         init_db(db)
         work = out / "work"
@@ -266,7 +272,13 @@ def _run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None]) -> list
             row.update({"sync_drain_s": report.get("drain_s"), "sync_reload_s": report.get("reload_s"),
                         "sync_reset_s": report.get("reset_s"), "sync_wake_s": report.get("wake_s")})
             row["sync_s"] = time.monotonic() - t2
+            if stack.server is not None:   # this process's server (a remote one keeps its own)
+                saves = stack.server.journal_stats(reset=True)
+                row.update({"journal_saves": saves["saves"], "journal_save_p50_ms": saves["p50_ms"],
+                            "journal_save_p99_ms": saves["p99_ms"]})
             record_iteration(db, row, history)
+            trackers.log_steps(history, iteration=it)
+            trackers.log_iteration(row, global_step=trainer.step)
             state.completed = it + 1
             _prune(state, opts.keep, out)   # saves the state: loop.json lists what is on disk
             echo(_iteration_line(row))
@@ -274,12 +286,16 @@ def _run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None]) -> list
         rows = stored_iterations(db, state.run_id)
         echo(iteration_table(rows))
         if rows:
+            rise = held_out_rise(rows)
+            if rise is not None:
+                echo(rise.line())
             plot_loop(rows, out / "loop.png")
             echo(f"database {db}; plot {out / 'loop.png'}")
         return rows
     finally:
         if client is not None:
             client.close()
+        trackers.close()
         stack.stop()
         os.close(lock)
 
@@ -513,6 +529,8 @@ def _rollout_row(run_id: str, it: int, version: int, groups: dict[str, Group], e
             "sessions_released": sum(released.values()), "released_why": dict(released),
             "reward_mean": _mean(rewards), "reward_std": _std(rewards),
             "eval_reward_mean": _mean(eval_rewards) if eval_groups else None,
+            "reward_n": len(rewards), "eval_reward_std": _std(eval_rewards) if eval_groups else None,
+            "eval_reward_n": len(eval_rewards) if eval_groups else None,
             "sessions_done": states.get("done", 0), "sessions_failed": states.get("failed", 0),
             "sessions_timed_out": states.get("timed_out", 0), "calls": len(calls),
             "tokens": sum(len(c.tokens) for c in calls), "stale_dropped": stale, "per_task": per_task}
@@ -555,6 +573,12 @@ def _prune(state: LoopState, keep: int, out: Path) -> None:
         for p in current.parent.iterdir():   # older versions, and a save a kill cut short
             if p.name != current.name:
                 p.unlink(missing_ok=True)
+    # the trainer's per-iteration files (metrics.jsonl, metrics.png) of the last `keep`
+    # iterations: every step's metrics are in loop_steps, and a run of days stays bounded
+    steps = out / "iterations"
+    for p in sorted(steps.iterdir()) if steps.is_dir() else []:
+        if p.name.isdigit() and int(p.name) < state.completed - max(keep, 1):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def _mean(xs) -> float | None:
@@ -605,6 +629,50 @@ def iteration_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def standard_error(std: float | None, n: int | None) -> float | None:
+    """The standard error of a mean from its population std over n samples (None: unknown)."""
+    if std is None or n is None or n < 2:
+        return None
+    return std / math.sqrt(n - 1)
+
+
+@dataclass(frozen=True)
+class Rise:
+    """The held-out reward from the first iteration to the last, with its standard error
+    (the two means' errors combined, samples taken as independent: the same tasks at both
+    ends, so the tasks' own spread, which cancels in the difference, only makes it larger)."""
+    first: int
+    last: int
+    before: float
+    after: float
+    se: float
+
+    @property
+    def rise(self) -> float:
+        return self.after - self.before
+
+    @property
+    def errors(self) -> float:
+        return self.rise / self.se if self.se > 0 else math.inf if self.rise > 0 else 0.0
+
+    def line(self) -> str:
+        return (f"held-out reward {self.before:.3f} at iteration {self.first} -> {self.after:.3f} at iteration "
+                f"{self.last}: {self.rise:+.3f} +- {self.se:.3f} (standard error), {self.errors:+.1f} standard errors")
+
+
+def held_out_rise(rows: list[dict]) -> Rise | None:
+    """None without held-out figures at two iterations (or from a database before they had n)."""
+    held = [r for r in rows if r.get("eval_reward_mean") is not None]
+    if len(held) < 2:
+        return None
+    a, b = held[0], held[-1]
+    se_a, se_b = (standard_error(r.get("eval_reward_std"), r.get("eval_reward_n")) for r in (a, b))
+    if se_a is None or se_b is None:
+        return None
+    return Rise(a["iteration"] + 1, b["iteration"] + 1, a["eval_reward_mean"], b["eval_reward_mean"],
+                math.sqrt(se_a ** 2 + se_b ** 2))
+
+
 def plot_loop(rows: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -612,11 +680,15 @@ def plot_loop(rows: list[dict], path: Path) -> None:
 
     its = [r["iteration"] + 1 for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-    a.errorbar(its, [r["reward_mean"] for r in rows], yerr=[r["reward_std"] or 0 for r in rows],
+    # error bars: the mean's standard error (not the rewards' spread)
+    a.errorbar(its, [r["reward_mean"] for r in rows],
+               yerr=[standard_error(r["reward_std"], r.get("reward_n")) or 0 for r in rows],
                marker="o", capsize=3, label="training tasks")
     if any(r["eval_reward_mean"] is not None for r in rows):
-        a.plot(its, [r["eval_reward_mean"] for r in rows], marker="s", label="held-out tasks")
-    a.set(xlabel="iteration", ylabel="mean reward", title="reward")
+        a.errorbar(its, [r["eval_reward_mean"] for r in rows],
+                   yerr=[standard_error(r.get("eval_reward_std"), r.get("eval_reward_n")) or 0 for r in rows],
+                   marker="s", capsize=3, label="held-out tasks")
+    a.set(xlabel="iteration", ylabel="mean reward (+- standard error)", title="reward")
     a.legend()
     b.plot(its, [r["loss"] for r in rows], marker="o")
     b.set(xlabel="iteration", ylabel="loss", title="GRPO loss (last step)")

@@ -25,3 +25,4 @@ class LoopOptions:
     max_staleness: int = 0                # K: calls of versions >= v - K are trained (K >= 1: async)
     server: str | None = None             # a running rollout server (its nodes, their vLLMs)
     colocate: bool = False                # one GPU: vLLM sleeps while the trainer runs
+    report_to: tuple[str, ...] = ()       # experiment trackers (trackers.TRACKERS)

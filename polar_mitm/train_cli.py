@@ -19,6 +19,7 @@ from .loop_options import LoopOptions
 from .grpo.config import BUILDERS, NORMALIZATIONS, AdvantageConfig, LossConfig, TrainConfig
 from .trainer_input import REWARD_COVERS, Call
 from .store.training import SAMPLING_REASONS, TrainingData, set_rewards, task_reward_covers, training_calls
+from .trackers import report_to_option
 
 _T, _L, _A = TrainConfig(), LossConfig(), AdvantageConfig()   # the defaults, in one place
 _LOOP = {f.name: f.default for f in dataclasses.fields(LoopOptions)}
@@ -128,11 +129,13 @@ reward_covers_option = click.option(
 @click.option("--task", "tasks", multiple=True, help="Only these tasks (GRPO groups)")
 @click.option("--session", "sessions", multiple=True, help="Only these sessions")
 @reward_covers_option
+@report_to_option
 @trainer_options
-def train(dbs, model, out, tasks, sessions, reward_covers, **options):
+def train(dbs, model, out, tasks, sessions, reward_covers, report_to, **options):
     """Run GRPO on the rewarded sessions and save a checkpoint vLLM serves."""
     from .grpo.train import TrainError, dist_env
     from .grpo.train import train as run_train
+    from .trackers import Trackers, open_trackers, tracker_run_id
 
     rank, _ = dist_env()
     cfg = train_config(**options)
@@ -144,11 +147,16 @@ def train(dbs, model, out, tasks, sessions, reward_covers, **options):
              "(or check --task/--session)")
     model = model or _default_model()
     bar = None
+    trackers = Trackers()
+    if rank == 0 and report_to:   # rerunning the same command continues the same tracker run
+        trackers = open_trackers(report_to, Path(out), tracker_run_id(Path(out)),
+                                 config={"train": dataclasses.asdict(cfg), "model": model, "db": list(dbs)})
 
     def progress(n, total, m):
         nonlocal bar
         if rank != 0:
             return
+        trackers.log_steps([m])
         if bar is None:
             bar = click.progressbar(length=total, label="training", file=sys.stderr,
                                     item_show_func=lambda s: s)
@@ -162,6 +170,7 @@ def train(dbs, model, out, tasks, sessions, reward_covers, **options):
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)
+        trackers.close()
     if rank == 0:
         last = summary["last"]
         click.echo(f"{summary['steps']} steps; last loss {last.get('loss', 0):+.5f}, clip fraction "
@@ -250,9 +259,10 @@ def format_builders(rows: list[dict]) -> str:
 @click.option("--colocate", is_flag=True, help="One GPU for vLLM and the trainer: vLLM sleeps (its weights "
               "and KV cache freed) while the trainer runs and wakes with the new weights. Needs vLLM's "
               "sleep mode (GPU), and --max-staleness 0")
+@report_to_option
 @trainer_options
 def loop(tasks_file, iterations, out, harness, samples, model, backend, eval_tasks_file, workers, max_tokens,
-         keep, dtype, max_staleness, server, colocate, **options):
+         keep, dtype, max_staleness, server, colocate, report_to, **options):
     """The closed loop: rollouts through a real harness, GRPO, the new weights synced into the
     running vLLM, the next rollouts.
 
@@ -262,7 +272,8 @@ def loop(tasks_file, iterations, out, harness, samples, model, backend, eval_tas
     opts = LoopOptions(tasks_file=tasks_file, iterations=iterations, out=Path(out), harness=harness,
                        samples=samples, model=model or None, backend=backend or None,
                        eval_tasks_file=eval_tasks_file, workers=workers, max_tokens=max_tokens, keep=keep,
-                       dtype=dtype, max_staleness=max_staleness, server=server or None, colocate=colocate)
+                       dtype=dtype, max_staleness=max_staleness, server=server or None, colocate=colocate,
+                       report_to=report_to)
     interruptible_loop(opts, train_config(**options))
 
 

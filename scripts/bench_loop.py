@@ -1,20 +1,38 @@
-"""Where one iteration of the closed loop spends its time, on the demo (Pi on the arithmetic
-tasks, the embedded SmolLM2, vLLM on this machine's CPUs):
+"""The closed loop over many iterations, and where one iteration spends its time.
 
-    .venv/bin/python scripts/bench_loop.py [--iterations 2] [--out DIR] [--backend URL]
+    .venv/bin/python scripts/bench_loop.py --iterations 200 [--kill-at 150] [--report-to tensorboard,...]
+    .venv/bin/python scripts/bench_loop.py --demo [--iterations 2] [--backend URL]
     .venv/bin/python scripts/bench_loop.py --read DIR      # a run that is already there
 
-It runs `polar-mitm demo`'s loop (or reads a finished run's database) and prints, per
-iteration, rollouts / training / sync (drain, reload, reset) / the rest (bookkeeping: saving the
-checkpoint is counted in training) as seconds and shares of the iteration, and checks that
-the sync takes at most 5% of it. --compare-staleness runs K=0 (synchronous) and K=1 (the next
-iteration's rollouts during training) one after the other and compares iterations per hour.
+Long runs (the default): `polar-train loop` with a stand-in for vLLM (tests/fake_vllm.py, in
+this process), a tiny random model and a `command` harness (curl through the node's proxy),
+so that hundreds of iterations take minutes and only the loop's own costs show. It prints,
+at iterations 1, 10, 50, 100 and 200: the time per iteration (the median of the five that end
+there), the rollout journal's save p50/p99 (the rollout server's own figures, in
+loop_iterations), the database's size, and the RSS of the loop and the proxy; then the
+targets' PASS/FAIL lines: iteration time at the end within 10% of iteration 10, RSS within
+10%, the journal save p99 at most 50 ms throughout. --kill-at N kills the loop with SIGKILL
+during iteration N and reruns the same command (a resume), so the figures after N are the
+resumed run's.
+
+--demo runs `polar-mitm demo`'s loop on real vLLM and Pi and prints, per iteration, rollouts /
+training / sync (drain, reload, reset) / the rest as seconds and shares of the iteration, and
+checks that the sync takes at most 5% of it. --compare-staleness runs K=0 (synchronous) and
+K=1 (the next iteration's rollouts during training) one after the other and compares
+iterations per hour.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,7 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from polar_mitm.store import query  # noqa: E402
 
-DEMO = Path(__file__).resolve().parents[1] / "polar_mitm" / "demo_tasks"
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "polar_mitm" / "demo_tasks"
+TRAIN = str(Path(sys.executable).parent / "polar-train")
+MARKS = (1, 10, 50, 100, 200)
 
 
 def run_demo(out: Path, iterations: int, backend: str | None, staleness: int = 0) -> float:
@@ -71,10 +92,186 @@ def report(out: Path, wall: float | None) -> bool:
     return ok
 
 
+# ---- long runs, on stand-ins ------------------------------------------------------------------
+
+URL = "https://api.openai.com/v1/chat/completions"
+BODY = json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "say ok"}], "max_tokens": 8})
+CURL = (f"curl -sS --fail-with-body -X POST {URL} -H 'content-type: application/json' "
+        f"-H 'authorization: Bearer x' -d '{BODY}' -o answer.json")
+
+
+def standin_tasks(folder: Path, tasks: int) -> tuple[Path, Path]:
+    """tasks training tasks and one held-out task; the sample index as reward (every group
+    has a signal, so every iteration trains, saves and syncs)."""
+    def rows(names):
+        return "".join(json.dumps({"task_id": t, "instruction": "say ok", "harness": "command", "command": CURL,
+                                   "timeout": 60, "evaluator": "grep -q chat.completion answer.json && "
+                                   "echo $POLAR_SAMPLE"}) + "\n" for t in names)
+    train, held_out = folder / "tasks.jsonl", folder / "heldout.jsonl"
+    train.write_text(rows(f"t{i}" for i in range(tasks)))
+    held_out.write_text(rows(["h0"]))
+    return train, held_out
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(p))
+    return out
+
+
+def proxy_pid(loop_pid: int) -> int | None:
+    for c in children(loop_pid):
+        try:
+            if b"mitmdump" in Path(f"/proc/{c}/cmdline").read_bytes():
+                return c
+        except OSError:
+            pass
+    return None
+
+
+ITERATION_LINE = re.compile(r"^iteration (\d+) \(policy v\d+\)")
+
+
+def run_standin(out: Path, iterations: int, kill_at: int | None, tasks: int, samples: int, workers: int,
+                report_to: str | None) -> dict[int, dict]:
+    """The loop as a child process, watched: per iteration, when its line came, the database's
+    size and the RSS of the loop and its proxy."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from fake_vllm import FakeVLLM
+    from grpo_data import tiny_model_dir
+
+    out.mkdir(parents=True, exist_ok=True)
+    model = out / "model"
+    if not model.exists():
+        tiny_model_dir(model)
+    train, held_out = standin_tasks(out, tasks)
+    run = out / "run"
+    seen: dict[int, dict] = {}
+    with FakeVLLM() as fake:
+        argv = [TRAIN, "loop", "--tasks", str(train), "--eval-tasks", str(held_out), "--iterations", str(iterations),
+                "--out", str(run), "--samples", str(samples), "--backend", fake.url, "--model", str(model),
+                "--lr", "1e-3", "--token-budget", "256", "--workers", str(workers), "--max-tokens", "8",
+                "--keep", "1", *(["--report-to", report_to] if report_to else [])]
+        for attempt in ("first", "resumed"):
+            log = open(out / f"loop-{attempt}.log", "w")
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+            killed = False
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                log.write(line)
+                m = ITERATION_LINE.match(line)
+                if not m:
+                    continue
+                it = int(m.group(1))
+                db = run / "rollouts.duckdb"
+                proxy = proxy_pid(proc.pid)
+                seen[it] = {"at": time.monotonic(), "db_mb": sum(os.path.getsize(p) for p in (db, Path(f"{db}.wal"))
+                                                                  if p.exists()) / 1e6,
+                            "loop_rss": rss_mb(proc.pid), "proxy_rss": rss_mb(proxy) if proxy else None,
+                            "run": attempt}
+                if it % 10 == 0 or it == 1:
+                    print(f"  iteration {it}: {seen[it]['db_mb']:.1f} MB database, loop RSS "
+                          f"{seen[it]['loop_rss'] or 0:.0f} MB, proxy RSS {seen[it]['proxy_rss'] or 0:.0f} MB",
+                          flush=True)
+                if kill_at is not None and attempt == "first" and it == kill_at - 1:
+                    # during iteration kill_at: once its rollouts are under way
+                    threading.Timer(2.0, lambda: os.killpg(proc.pid, signal.SIGKILL)).start()
+                    killed = True
+            code = proc.wait()
+            log.close()
+            if not killed:
+                if code != 0:
+                    raise SystemExit(f"the loop failed ({code}); see {out}/loop-{attempt}.log")
+                break
+            print(f"  killed -9 during iteration {kill_at}; rerunning the same command", flush=True)
+    return seen
+
+
+def journal_figures(db: Path) -> dict[int, tuple]:
+    """Per iteration (1-based): the journal's saves, p50 and p99 ms, and the iteration's seconds
+    from the previous one's end (the rollout server's figures, in loop_iterations)."""
+    _, rows = query(db, "SELECT iteration, journal_saves, journal_save_p50_ms, journal_save_p99_ms, "
+                        "rollout_s + train_s + sync_s FROM loop_iterations ORDER BY iteration")
+    return {r[0] + 1: r[1:] for r in rows}
+
+
+def window(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def report_standin(out: Path, seen: dict[int, dict], iterations: int) -> bool:
+    figures = journal_figures(out / "run" / "rollouts.duckdb")
+    at = {it: v["at"] for it, v in seen.items()}
+    per_it = {it: at[it] - at[it - 1] for it in at if it - 1 in at and seen[it]["run"] == seen[it - 1]["run"]}
+    marks = [m for m in MARKS if m <= iterations]
+    print(f"\n{'iter':>5} {'s/iteration':>11} {'loop s':>7} {'saves':>6} {'save p50':>9} {'save p99':>9} "
+          f"{'db MB':>7} {'loop RSS':>9} {'proxy RSS':>9}")
+    rows = {}
+    for m in marks:
+        lo = max(2, m - 4)
+        wall = window([per_it[i] for i in range(lo, m + 1) if i in per_it])
+        inner = window([figures[i][3] for i in range(max(1, m - 4), m + 1) if i in figures and figures[i][3]])
+        saves, p50, p99 = (figures.get(m) or (None, None, None, None))[:3]
+        s = seen.get(m, {})
+        rows[m] = {"wall": wall, "p99": p99, "loop_rss": s.get("loop_rss"), "proxy_rss": s.get("proxy_rss")}
+        print(f"{m:>5} {wall:>11.2f} {inner:>7.2f} {saves if saves is not None else '-':>6} "
+              f"{_ms(p50):>9} {_ms(p99):>9} {s.get('db_mb', float('nan')):>7.1f} "
+              f"{s.get('loop_rss') or float('nan'):>9.0f} {s.get('proxy_rss') or float('nan'):>9.0f}")
+    p99s = [f[2] for f in figures.values() if f[2] is not None]
+    worst = max(p99s) if p99s else float("nan")
+    last = marks[-1]
+    ok = True
+
+    def check(name: str, passed: bool, detail: str) -> None:
+        nonlocal ok
+        ok &= passed
+        print(f"{'PASS' if passed else 'FAIL'}: {name} ({detail})")
+
+    print()
+    if 10 in rows and last > 10:
+        a, b = rows[10]["wall"], rows[last]["wall"]
+        check(f"iteration time at {last} within 10% of iteration 10", b <= 1.10 * a,
+              f"{b:.2f} s vs {a:.2f} s: {b / a - 1:+.1%}")
+        for proc in ("loop", "proxy"):
+            ra, rb = rows[10][f"{proc}_rss"], rows[last][f"{proc}_rss"]
+            if ra and rb:
+                check(f"{proc} RSS at {last} within 10% of iteration 10", rb <= 1.10 * ra,
+                      f"{rb:.0f} MB vs {ra:.0f} MB: {rb / ra - 1:+.1%}")
+    check("journal save p99 <= 50 ms in every iteration", worst <= 50.0,
+          f"worst iteration's p99 {worst:.1f} ms over {len(p99s)} iterations")
+    return ok
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x:.1f} ms"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--iterations", type=int, default=2)
+    ap.add_argument("--iterations", type=int, default=200)
     ap.add_argument("--out", default="/tmp/polar-bench-loop")
+    ap.add_argument("--demo", action="store_true", help="the demo's loop on real vLLM and Pi (phases per iteration)")
+    ap.add_argument("--kill-at", type=int, default=None, help="kill -9 during this iteration, then resume")
+    ap.add_argument("--tasks", type=int, default=2, help="stand-in run: training tasks")
+    ap.add_argument("--samples", type=int, default=4, help="stand-in run: samples per task")
+    ap.add_argument("--workers", type=int, default=4, help="stand-in run: the node's RUN slots")
+    ap.add_argument("--report-to", default=None, help="stand-in run: polar-train loop's --report-to")
     ap.add_argument("--backend", default=None, help="a running dev-mode vLLM (default: start one)")
     ap.add_argument("--read", help="only report on this finished run directory")
     ap.add_argument("--compare-staleness", action="store_true",
@@ -82,6 +279,15 @@ def main() -> int:
     args = ap.parse_args()
     if args.read:
         return 0 if report(Path(args.read), None) else 1
+    if not (args.demo or args.compare_staleness):
+        out = Path(args.out)
+        if (out / "run").exists():
+            raise SystemExit(f"{out}/run exists: give another --out (a run starts fresh)")
+        t0 = time.monotonic()
+        seen = run_standin(out, args.iterations, args.kill_at, args.tasks, args.samples, args.workers,
+                           args.report_to)
+        print(f"{args.iterations} iterations in {time.monotonic() - t0:.0f} s")
+        return 0 if report_standin(out, seen, args.iterations) else 1
     if not args.compare_staleness:
         wall = run_demo(Path(args.out), args.iterations, args.backend)
         return 0 if report(Path(args.out), wall) else 1

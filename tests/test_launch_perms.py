@@ -92,3 +92,26 @@ def test_free_ports_are_distinct():
         assert len(set(ports)) == 4
     singles = [launch.free_port() for _ in range(300)]
     assert len(set(singles)) == 300
+
+
+def test_a_services_log_stays_bounded_while_it_runs(tmp_path, monkeypatch):
+    """A long run's proxy logs every flow: past the cap its log moves to LOG.1 and starts
+    again, while the child goes on writing to the file it holds open."""
+    import time
+    monkeypatch.setattr(launch, "LOG_CHECK_S", 0.05)
+    log = tmp_path / "svc.log"
+    writer = "import sys, time\nfor i in range(4000):\n    print(f'line {i:05d} ' + 'x' * 90, flush=True)\n" \
+             "    time.sleep(0.0005)\n"
+    svc = launch.Service("writer", [sys.executable, "-c", writer], log_path=log, log_max_bytes=50_000)
+    try:
+        svc.proc.wait(60)
+    finally:
+        svc.stop()
+    time.sleep(0.2)
+    old = log.with_name("svc.log.1")
+    assert old.exists() and old.stat().st_size > 50_000
+    assert log.stat().st_size < 400_000            # 4000 lines of 100 bytes, capped at least once
+    assert oct(old.stat().st_mode & 0o777) == "0o600"
+    last = log.read_text().splitlines()
+    assert last and last[-1].startswith("line 03999")   # the child's writes go on at the new start
+    assert "\0" not in log.read_text()                  # O_APPEND: no hole where the old end was

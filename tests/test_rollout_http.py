@@ -16,7 +16,7 @@ from polar_mitm.rollout import RolloutServer
 from polar_mitm.rollout.http_api import TaskIn
 from polar_mitm.rollout.spec import TaskRequest
 from polar_mitm.rollout.states import ORDER, TERMINAL, Session
-from polar_mitm.store import rollout_journal as store
+from polar_mitm.store.journal_log import JournalLog
 
 
 def _task(tid: str = "t", **kw) -> dict:
@@ -128,17 +128,17 @@ def test_the_state_names_are_the_enum_and_tasks_fit_their_model():
 
 
 def test_a_slow_heartbeat_holds_up_no_other_request(tmp_path, monkeypatch):
-    """Heartbeats wait for their state to be saved; while DuckDB is slow, the rest of the API
+    """Heartbeats wait for their state to be saved; while the disk is slow, the rest of the API
     answers at once (the handlers run in worker threads, the event loop stays free)."""
     server = RolloutServer(str(tmp_path / "r.duckdb"), flush_s=60.0).start()
-    real, slow = store.save, threading.Event()
+    real, slow = JournalLog.append, threading.Event()
 
-    def slow_save(db, batch):
+    def slow_save(log, batch):
         if slow.is_set():
             time.sleep(3.0)
-        return real(db, batch)
+        return real(log, batch)
 
-    monkeypatch.setattr(store, "save", slow_save)
+    monkeypatch.setattr(JournalLog, "append", slow_save)
     answers: dict[str, float] = {}
     try:
         server.submit(_task("t", num_samples=4))
@@ -175,14 +175,14 @@ def test_a_slow_heartbeat_holds_up_no_other_request(tmp_path, monkeypatch):
 
 def test_a_heartbeat_not_saved_is_503_and_the_node_retries(tmp_path, monkeypatch):
     server = RolloutServer(str(tmp_path / "r.duckdb"), flush_s=60.0).start()
-    real, broken = store.save, threading.Event()
+    real, broken = JournalLog.append, threading.Event()
 
-    def save(db, batch):
+    def save(log, batch):
         if broken.is_set():
             raise OSError("disk full")
-        return real(db, batch)
+        return real(log, batch)
 
-    monkeypatch.setattr(store, "save", save)
+    monkeypatch.setattr(JournalLog, "append", save)
     try:
         server.submit(_task("t"))
         broken.set()

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from ..store import rollout_journal as journal
+from ..store.journal_log import JournalLog
 from .http_api import ThreadedUvicorn, make_app
 from .protocol import (Group, Heartbeat, HeartbeatReply, PolicyStatus, PolicyTarget, Status, TaskBrief,
                        TaskStatus)
@@ -45,10 +46,15 @@ log = logging.getLogger("polar.rollout")
 
 class RolloutServer:
     def __init__(self, db: str, *, host: str = "127.0.0.1", port: int = 0, node_timeout: float = 10.0,
-                 max_attempts: int = 3, flush_s: float = 0.2, callback_tries: int = 8,
+                 max_attempts: int = 3, flush_s: float = 0.2, fold_s: float = 2.0, callback_tries: int = 8,
                  callback_backoff: float = 0.5, callback_timeout: float = 10.0, callback_workers: int = 16,
                  check_workspaces: bool = True, scheduler: Scheduler | None = None, max_releases: int = 8):
         self.db, self.flush_s, self.callback_workers = str(db), flush_s, callback_workers
+        # Each change is durable in the journal log (journal_log.py) before it is acted on,
+        # and folded into the database's rollout tables every fold_s seconds.
+        self.fold_s = fold_s
+        self._log: JournalLog | None = None
+        self._save_ms: list[float] = []     # the log's saves since journal_stats(reset=True)
         # The states and their transitions (a given scheduler brings its own settings).
         # max_releases: releases of one sample for the backend's sake before it fails unscored
         self.scheduler = scheduler or Scheduler(max_attempts=max_attempts, node_timeout=node_timeout,
@@ -60,6 +66,7 @@ class RolloutServer:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._flush_lock = threading.Lock()
+        self._fold_lock = threading.Lock()
         self.policy: PolicyTarget | None = None     # the target every node syncs to (set_policy)
         self._dirty_tasks: set[str] = set()
         self._dirty_sessions: set[str] = set()
@@ -95,6 +102,8 @@ class RolloutServer:
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> "RolloutServer":
         journal.ensure(self.db)
+        self._journal_log()
+        self.fold()          # what a server killed -9 left in the log, before reading it all
         self._restore()
         for name, fn in (("journal", self._journal_loop), ("reaper", self._reaper_loop),
                          ("callbacks", self._callback_loop)):
@@ -111,7 +120,12 @@ class RolloutServer:
             self._changed.notify_all()
         for t in self._threads:
             t.join(timeout=5.0)
-        self.flush()
+        try:
+            self.flush()
+            self.fold()
+        finally:
+            if self._log is not None:
+                self._log.close()
         self._client.close()
 
     def _restore(self) -> None:
@@ -179,6 +193,7 @@ class RolloutServer:
                     return False
                 self._changed.wait(timeout=min(0.5, left) if left is not None else 0.5)
         self.flush()
+        self.fold()     # a caller that waited reads the outcome with SQL next
         return True
 
     def pending_callbacks(self, task_ids: list[str] | None = None) -> list[dict]:
@@ -315,14 +330,43 @@ class RolloutServer:
 
     # -- journal ---------------------------------------------------------------------
     def _journal_loop(self) -> None:
+        folded = time.monotonic()
         while not self._stop.wait(self.flush_s):
             try:
                 self.flush()
             except Exception:
                 log.exception("saving rollout state failed; retrying")
+            if time.monotonic() - folded >= self.fold_s:
+                try:
+                    self.fold()
+                except Exception:   # the log keeps it all; the next fold tries again
+                    log.exception("folding the rollout journal into the database failed; retrying")
+                folded = time.monotonic()
+
+    def fold(self) -> None:
+        """The journal log's saved changes into the database's rollout tables (SQL sees them)."""
+        with self._fold_lock:
+            if self._log is None or not self._log.closed:
+                journal.fold(self.db, self._log)
+
+    def _journal_log(self) -> JournalLog:
+        if self._log is None:
+            self._log = JournalLog(self.db, journal.folded_through(self.db))
+        return self._log
+
+    def journal_stats(self, reset: bool = False) -> dict:
+        """The journal log's saves (since the last reset): how many, p50, p99 and max in ms."""
+        with self._flush_lock:
+            ms = sorted(self._save_ms)
+            if reset:
+                self._save_ms = []
+        if not ms:
+            return {"saves": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
+        return {"saves": len(ms), "p50_ms": ms[len(ms) // 2], "p99_ms": ms[min(len(ms) - 1, int(len(ms) * 0.99))],
+                "max_ms": ms[-1]}
 
     def flush(self) -> None:
-        """Write every change since the last flush in one transaction."""
+        """Every change since the last flush, durable in the journal log (one line)."""
         with self._flush_lock:
             with self._lock:
                 if not (self._dirty_tasks or self._dirty_sessions or self._events):
@@ -333,8 +377,10 @@ class RolloutServer:
                                       sessions=[_session_row(self.sessions[s]) for s in sessions], events=events)
             t0 = time.monotonic()
             try:
-                journal.save(self.db, batch)
+                self._journal_log().append(batch)
                 took = time.monotonic() - t0
+                if len(self._save_ms) < 100_000:   # a bound, for a caller that never resets
+                    self._save_ms.append(took * 1000)
                 if took > 1.0:
                     log.warning("saving rollout state took %.1fs", took)
             except BaseException:

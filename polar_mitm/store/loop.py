@@ -46,6 +46,12 @@ class IterationRow(TypedDict, total=False):
     per_task: dict[str, TaskRewards]   # stored as JSON
     sessions_released: int           # attempts handed back and run again (never scored)
     released_why: dict[str, int]     # stored as JSON: {cause: n} (rewards.release_causes)
+    reward_n: int                    # rewarded sessions (training tasks): reward_std / sqrt(n - 1) is the SE
+    eval_reward_std: float | None    # held-out tasks' population std
+    eval_reward_n: int | None
+    journal_saves: int | None        # the rollout server's journal saves in the iteration
+    journal_save_p50_ms: float | None
+    journal_save_p99_ms: float | None
 
 
 ITERATION_COLUMNS = tuple(IterationRow.__annotations__)

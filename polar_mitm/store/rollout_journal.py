@@ -1,7 +1,8 @@
 """The rollout server's journal in DuckDB: tasks, sessions, their state changes and rewards.
 
-The server mirrors its state here in batches (one short write connection per batch, so the
-proxy's loader hands the file over and takes it back); on a restart it reads it all back.
+The server's batches are durable first in an append-only log (journal_log.py), and folded
+into these tables every few seconds, a transaction per fold; on a restart it reads it all
+back, the log's unfolded batches over the tables.
 Why a task's unfinished sessions were stopped (a cancel request, an early stop) is the detail
 of its "stopping" event, read back as the task's cancel_reason.
 """
@@ -13,48 +14,12 @@ from typing import TypedDict
 
 import orjson
 
+from . import journal_log
+from .journal_log import Batch, Event, SessionRow, TaskRow  # noqa: F401 - the journal's rows, re-exported
 from .db import init_db, reading, writing
 
 
 STOPPING = "stopping"      # a task-level event: its unfinished sessions are being stopped (detail: why)
-
-
-class TaskRow(TypedDict):
-    task_id: str
-    order: int | None            # submitted as the server's n-th task (None: saved before schema 9)
-    spec: dict
-    state: str
-    priority: int
-    callback_state: str | None
-    callback_tries: int
-    cancel_reason: str | None    # saved as its STOPPING event's detail (not a column)
-
-
-class SessionRow(TypedDict):
-    session_id: str
-    task_id: str
-    sample: int
-    attempt: int
-    state: str
-    node_id: str | None
-    reward: float | None
-    reason: str | None
-    stats: dict | None
-
-
-class Event(TypedDict):
-    at_us: int                   # unix microseconds: exact, so events keep their order in SQL
-    task_id: str
-    session_id: str | None
-    state: str
-    node_id: str | None
-    detail: str | None
-
-
-class Batch(TypedDict):
-    tasks: list[TaskRow]         # latest row of each task changed since the last batch
-    sessions: list[SessionRow]
-    events: list[Event]
 
 
 def _j(v) -> str | None:
@@ -91,39 +56,120 @@ def save(path: str | os.PathLike, batch: Batch, timeout: float = 60.0) -> None:
     with writing(path, timeout) as con:
         con.execute("BEGIN")
         try:
-            if batch["tasks"]:
-                con.executemany(
-                    "INSERT INTO rollout_tasks (task_id, spec, state, priority, callback_state, "
-                    "callback_tries, submit_order) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (task_id) DO UPDATE SET "
-                    "state = excluded.state, callback_state = excluded.callback_state, "
-                    "callback_tries = excluded.callback_tries, updated_at = now()",
-                    [[t["task_id"], _j(t["spec"]), t["state"], t["priority"], t["callback_state"],
-                      t["callback_tries"], t["order"]] for t in batch["tasks"]])
-            if batch["sessions"]:
-                con.executemany(
-                    "INSERT INTO rollout_sessions (session_id, task_id, sample, attempt, state, "
-                    "node_id, reward, reason, stats, harness_output, eval_output) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
-                    "ON CONFLICT (session_id) DO UPDATE SET state = excluded.state, "
-                    "node_id = excluded.node_id, reward = excluded.reward, reason = excluded.reason, "
-                    "stats = excluded.stats, harness_output = excluded.harness_output, "
-                    "eval_output = excluded.eval_output, updated_at = now()",
-                    [[s["session_id"], s["task_id"], s["sample"], s["attempt"], s["state"],
-                      s["node_id"], s["reward"], s["reason"], *_split_outputs(s["stats"])]
-                     for s in batch["sessions"]])
-            if batch["events"]:
-                con.executemany(
-                    "INSERT INTO rollout_events VALUES (to_timestamp(0) + to_microseconds(?), ?, ?, ?, ?, ?)",
-                    [[e["at_us"], e["task_id"], e["session_id"], e["state"], e["node_id"], e["detail"]]
-                     for e in batch["events"]])
+            _apply(con, batch)
             con.execute("COMMIT")
         except BaseException:
             con.execute("ROLLBACK")
             raise
 
 
+def _folded(con) -> int:
+    row = con.execute("SELECT value FROM meta WHERE key = ?", [journal_log.FOLDED_KEY]).fetchone()
+    return int(row[0]) if row else 0
+
+
+def folded_through(path: str | os.PathLike, timeout: float = 60.0) -> int:
+    """The number of the journal log's last segment folded into the tables (0: none)."""
+    if not os.path.exists(path):
+        return 0
+    with reading(path, timeout) as con:
+        return _folded(con)
+
+
+def save_segments(path: str | os.PathLike, segments: list[tuple[int, list[Batch]]], timeout: float = 60.0) -> int:
+    """The journal log's segments (numbered, in order) in one transaction with the number of
+    the last: those folded before are skipped, so each batch lands once. Returns the batches
+    written."""
+    with writing(path, timeout) as con:
+        con.execute("BEGIN")
+        try:
+            done = _folded(con)
+            todo = [(n, batches) for n, batches in segments if n > done]
+            if not todo:
+                con.execute("ROLLBACK")
+                return 0
+            _apply(con, journal_log.merge([b for _, batches in todo for b in batches]))
+            con.execute("INSERT INTO meta VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                        [journal_log.FOLDED_KEY, str(todo[-1][0])])
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+    return sum(len(b) for _, b in todo)
+
+
+def fold(path: str | os.PathLike, log: journal_log.JournalLog | None = None, timeout: float = 60.0) -> int:
+    """The journal log's closed segments into the tables (a running server's log: its open
+    segment is closed first, and later appends go to a new one); then they are deleted.
+    Returns the batches written."""
+    below = log.rotate() if log is not None else None
+    paths = [p for p in journal_log.segments(journal_log.log_dir(path)) if below is None or journal_log.seq(p) < below]
+    if not paths:
+        return 0
+    n = save_segments(path, [(journal_log.seq(p), journal_log.read_segment(p)) for p in paths], timeout)
+    for p in paths:
+        p.unlink(missing_ok=True)
+    return n
+
+
+def fold_orphaned(path: str | os.PathLike, timeout: float = 60.0) -> int:
+    """A journal log no live server appends to (one killed -9), folded: SQL sees its last state."""
+    if not journal_log.segments(journal_log.log_dir(path)) or journal_log.owner_alive(path):
+        return 0
+    return fold(path, timeout=timeout)
+
+
+def _apply(con, batch: Batch) -> None:
+    """A batch's rows and events (in the caller's transaction)."""
+    if batch["tasks"]:
+        con.executemany(
+            "INSERT INTO rollout_tasks (task_id, spec, state, priority, callback_state, "
+            "callback_tries, submit_order) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (task_id) DO UPDATE SET "
+            "state = excluded.state, callback_state = excluded.callback_state, "
+            "callback_tries = excluded.callback_tries, updated_at = now()",
+            [[t["task_id"], _j(t["spec"]), t["state"], t["priority"], t["callback_state"],
+              t["callback_tries"], t["order"]] for t in batch["tasks"]])
+    if batch["sessions"]:
+        con.executemany(
+            "INSERT INTO rollout_sessions (session_id, task_id, sample, attempt, state, "
+            "node_id, reward, reason, stats, harness_output, eval_output) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT (session_id) DO UPDATE SET state = excluded.state, "
+            "node_id = excluded.node_id, reward = excluded.reward, reason = excluded.reason, "
+            "stats = excluded.stats, harness_output = excluded.harness_output, "
+            "eval_output = excluded.eval_output, updated_at = now()",
+            [[s["session_id"], s["task_id"], s["sample"], s["attempt"], s["state"],
+              s["node_id"], s["reward"], s["reason"], *_split_outputs(s["stats"])]
+             for s in batch["sessions"]])
+    if batch["events"]:
+        con.executemany(
+            "INSERT INTO rollout_events VALUES (to_timestamp(0) + to_microseconds(?), ?, ?, ?, ?, ?)",
+            [[e["at_us"], e["task_id"], e["session_id"], e["state"], e["node_id"], e["detail"]]
+             for e in batch["events"]])
+
+
 def load(path: str | os.PathLike, timeout: float = 60.0) -> tuple[list[TaskRow], list[SessionRow]]:
-    """Every task and session, for a restarted server."""
+    """Every task and session, for a restarted server: the tables, and over them what the
+    journal log holds that is not folded yet (a server killed -9, or one running)."""
+    for _ in range(20):
+        tasks, sessions, folded = _load_tables(path, timeout)
+        try:
+            _, batches = journal_log.unfolded(path, folded)
+        except FileNotFoundError:
+            continue      # a running server folded a segment meanwhile: the tables have it now
+        if batches:
+            newer = journal_log.merge(batches)
+            by_task = {t["task_id"]: t for t in tasks}
+            by_task.update({t["task_id"]: t for t in newer["tasks"]})   # newer ones go last
+            tasks = list(by_task.values())
+            by_session = {s["session_id"]: s for s in sessions}
+            by_session.update({s["session_id"]: s for s in newer["sessions"]})
+            sessions = sorted(by_session.values(), key=lambda s: (s["task_id"], s["sample"], s["attempt"]))
+        return tasks, sessions
+    raise RuntimeError(f"{path}: the rollout journal kept changing while read")
+
+
+def _load_tables(path: str | os.PathLike, timeout: float) -> tuple[list[TaskRow], list[SessionRow], int]:
     with reading(path, timeout) as con:
         tasks = [TaskRow(task_id=r[0], spec=orjson.loads(r[1]), state=r[2], priority=r[3],
                          callback_state=r[4], callback_tries=r[5], cancel_reason=r[6], order=r[7])
@@ -138,7 +184,8 @@ def load(path: str | os.PathLike, timeout: float = 60.0) -> tuple[list[TaskRow],
                     for r in con.execute("SELECT session_id, task_id, sample, attempt, state, node_id, "
                                          "reward, reason, stats, harness_output, eval_output "
                                          "FROM rollout_sessions ORDER BY task_id, sample, attempt").fetchall()]
-    return tasks, sessions
+        folded = _folded(con)
+    return tasks, sessions, folded
 
 
 # The error kinds (call_records.error_kind) of calls that failed because of the model backend,

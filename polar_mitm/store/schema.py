@@ -331,6 +331,17 @@ MIGRATIONS: list[str] = [
     ALTER TABLE loop_iterations ADD COLUMN sessions_released INTEGER;
     ALTER TABLE loop_iterations ADD COLUMN released_why JSON;
     """,
+    # 12: the rollout server's journal saves during each iteration (how many, p50 and p99 ms;
+    # NULL for a remote server): the bookkeeping on every heartbeat's path, watched over long
+    # runs. And the rewards' counts and the held-out std, for standard errors.
+    """
+    ALTER TABLE loop_iterations ADD COLUMN reward_n INTEGER;
+    ALTER TABLE loop_iterations ADD COLUMN eval_reward_std DOUBLE;
+    ALTER TABLE loop_iterations ADD COLUMN eval_reward_n INTEGER;
+    ALTER TABLE loop_iterations ADD COLUMN journal_saves INTEGER;
+    ALTER TABLE loop_iterations ADD COLUMN journal_save_p50_ms DOUBLE;
+    ALTER TABLE loop_iterations ADD COLUMN journal_save_p99_ms DOUBLE;
+    """,
 ]
 
 # What the loader writes to call_records.

@@ -204,7 +204,7 @@ def _run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None]) -> list
             version = state.version
             t0 = time.monotonic()
             train = _submit(client, tasks, state.run_id, it)
-            held_out = _submit(client, eval_tasks, state.run_id, it, held_out=True)
+            held_out = _submit(client, eval_tasks, state.run_id, it, held_out=True) if opts.evaluates(it) else []
             groups = _wait_rollouts(client, [*train, *held_out], check, f"iteration {it + 1}/{opts.iterations} "
                                     f"rollouts (policy v{version})")
             rollout_s = time.monotonic() - t0
@@ -212,7 +212,8 @@ def _run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None]) -> list
                 # The next iteration's rollouts run while this one trains and syncs: sampled by
                 # version v until the sync, v + 1 after it (each call knows which).
                 _submit(client, tasks, state.run_id, it + 1)
-                _submit(client, eval_tasks, state.run_id, it + 1, held_out=True)
+                if opts.evaluates(it + 1):
+                    _submit(client, eval_tasks, state.run_id, it + 1, held_out=True)
             row_extra: IterationRow = {}
             if opts.colocate:   # vLLM gives its memory to the trainer until the sync wakes it
                 t_sleep = time.monotonic()
@@ -508,7 +509,7 @@ def _wait_rollouts(client: ServerClient, submitted: list[Submitted], check: Call
             if all(g["state"] in TASK_SETTLED for g in groups.values()):
                 return groups
             check()
-            time.sleep(1.0)
+            time.sleep(0.5)
 
 
 def _rollout_row(run_id: str, it: int, version: int, groups: dict[str, Group], eval_groups: list[Group],
@@ -528,7 +529,7 @@ def _rollout_row(run_id: str, it: int, version: int, groups: dict[str, Group], e
     return {"run_id": run_id, "iteration": it, "policy_version": version, "checkpoint": None,
             "sessions_released": sum(released.values()), "released_why": dict(released),
             "reward_mean": _mean(rewards), "reward_std": _std(rewards),
-            "eval_reward_mean": _mean(eval_rewards) if eval_groups else None,
+            "eval_reward_mean": _mean(eval_rewards) if eval_groups else None,   # None: not evaluated then
             "reward_n": len(rewards), "eval_reward_std": _std(eval_rewards) if eval_groups else None,
             "eval_reward_n": len(eval_rewards) if eval_groups else None,
             "sessions_done": states.get("done", 0), "sessions_failed": states.get("failed", 0),
@@ -684,9 +685,10 @@ def plot_loop(rows: list[dict], path: Path) -> None:
     a.errorbar(its, [r["reward_mean"] for r in rows],
                yerr=[standard_error(r["reward_std"], r.get("reward_n")) or 0 for r in rows],
                marker="o", capsize=3, label="training tasks")
-    if any(r["eval_reward_mean"] is not None for r in rows):
-        a.errorbar(its, [r["eval_reward_mean"] for r in rows],
-                   yerr=[standard_error(r.get("eval_reward_std"), r.get("eval_reward_n")) or 0 for r in rows],
+    held = [r for r in rows if r["eval_reward_mean"] is not None]   # --eval-every: some iterations
+    if held:
+        a.errorbar([r["iteration"] + 1 for r in held], [r["eval_reward_mean"] for r in held],
+                   yerr=[standard_error(r.get("eval_reward_std"), r.get("eval_reward_n")) or 0 for r in held],
                    marker="s", capsize=3, label="held-out tasks")
     a.set(xlabel="iteration", ylabel="mean reward (+- standard error)", title="reward")
     a.legend()

@@ -17,6 +17,7 @@ class LoopOptions:
     model: str | None = None              # the initial policy (default: the embedded SmolLM2)
     backend: str | None = None            # a running vLLM (dev mode); default: start one
     eval_tasks_file: str | None = None
+    eval_every: int = 1                   # held-out tasks at the first iteration, every K-th, and the last
     workers: int = 4
     max_tokens: int = 512
     keep: int = 2                         # checkpoints kept (~517 MB each for the default model)
@@ -26,3 +27,8 @@ class LoopOptions:
     server: str | None = None             # a running rollout server (its nodes, their vLLMs)
     colocate: bool = False                # one GPU: vLLM sleeps while the trainer runs
     report_to: tuple[str, ...] = ()       # experiment trackers (trackers.TRACKERS)
+
+    def evaluates(self, it: int) -> bool:
+        """Whether iteration `it` (from 0) runs the held-out tasks: the first and the last always,
+        so a run's rise from its start to its end is measured."""
+        return it % max(self.eval_every, 1) == 0 or it == self.iterations - 1

@@ -244,7 +244,9 @@ def format_builders(rows: list[dict]) -> str:
 @click.option("--backend", default="", callback=server_root, help="A running vLLM (its root URL, "
               "http://HOST:PORT) started with VLLM_SERVER_DEV_MODE=1 (default: start one, kept across iterations)")
 @click.option("--eval-tasks", "eval_tasks_file", default=None, type=click.Path(exists=True, dir_okay=False),
-              help="Held-out tasks: run every iteration with the current policy, never trained on")
+              help="Held-out tasks: run with the current policy (see --eval-every), never trained on")
+@click.option("--eval-every", default=_LOOP["eval_every"], show_default=True, type=click.IntRange(1),
+              help="Run the held-out tasks at the first iteration, every K-th and the last")
 @click.option("--workers", default=_LOOP["workers"], show_default=True, type=WORKERS, help="RUN slots of the node")
 @click.option("--max-tokens", default=_LOOP["max_tokens"], show_default=True, type=MAX_TOKENS,
               help="Cap on each call's output tokens")
@@ -261,8 +263,8 @@ def format_builders(rows: list[dict]) -> str:
               "sleep mode (GPU), and --max-staleness 0")
 @report_to_option
 @trainer_options
-def loop(tasks_file, iterations, out, harness, samples, model, backend, eval_tasks_file, workers, max_tokens,
-         keep, dtype, max_staleness, server, colocate, report_to, **options):
+def loop(tasks_file, iterations, out, harness, samples, model, backend, eval_tasks_file, eval_every, workers,
+         max_tokens, keep, dtype, max_staleness, server, colocate, report_to, **options):
     """The closed loop: rollouts through a real harness, GRPO, the new weights synced into the
     running vLLM, the next rollouts.
 
@@ -271,9 +273,9 @@ def loop(tasks_file, iterations, out, harness, samples, model, backend, eval_tas
     stop_on_sigterm()   # first: a Ctrl-C while the loop loads exits 130 too, not click's 1
     opts = LoopOptions(tasks_file=tasks_file, iterations=iterations, out=Path(out), harness=harness,
                        samples=samples, model=model or None, backend=backend or None,
-                       eval_tasks_file=eval_tasks_file, workers=workers, max_tokens=max_tokens, keep=keep,
-                       dtype=dtype, max_staleness=max_staleness, server=server or None, colocate=colocate,
-                       report_to=report_to)
+                       eval_tasks_file=eval_tasks_file, eval_every=eval_every, workers=workers,
+                       max_tokens=max_tokens, keep=keep, dtype=dtype, max_staleness=max_staleness,
+                       server=server or None, colocate=colocate, report_to=report_to)
     interruptible_loop(opts, train_config(**options))
 
 

@@ -47,15 +47,18 @@ MARKS = (1, 10, 50, 100, 200)
 
 
 def run_demo(out: Path, iterations: int, backend: str | None, staleness: int = 0) -> float:
+    """`polar-mitm demo`'s loop, with its settings (cli.DemoSettings)."""
+    from polar_mitm.cli import DEMO as D
     from polar_mitm.grpo.config import TrainConfig
     from polar_mitm.loop import LoopOptions, run_loop
 
     t0 = time.monotonic()
     run_loop(LoopOptions(tasks_file=str(DEMO / "arithmetic.jsonl"), iterations=iterations, out=out,
-                         harness="pi", samples=4, backend=backend,
-                         eval_tasks_file=str(DEMO / "arithmetic_heldout.jsonl"), max_tokens=48,
+                         harness="pi", samples=D.samples, backend=backend, workers=D.workers,
+                         eval_tasks_file=str(DEMO / "arithmetic_heldout.jsonl"), max_tokens=D.max_tokens,
+                         eval_every=D.eval_every,
                          max_staleness=staleness),
-             TrainConfig(lr=1e-5))
+             TrainConfig(lr=D.lr, groups_per_step=D.groups_per_step))
     return time.monotonic() - t0
 
 
@@ -258,13 +261,38 @@ def report_standin(out: Path, seen: dict[int, dict], iterations: int) -> bool:
     return ok
 
 
+def check_trackers(out: Path, report_to: str) -> bool:
+    """Each tracker, read back with its own library's reader (tests/test_trackers.py): one run
+    (the kill -9 and the resume included), reward/mean at every iteration, equal to
+    loop_iterations."""
+    from test_trackers import READERS
+
+    run = out / "run"
+    run_id = json.loads((run / "loop.json").read_text())["run_id"]
+    _, rows = query(run / "rollouts.duckdb", "SELECT iteration + 1, reward_mean FROM loop_iterations "
+                                             "WHERE run_id = ? ORDER BY 1", [run_id])
+    want = {it: r for it, r in rows}
+    ok = True
+    for name in [t.strip() for t in report_to.split(",") if t.strip()]:
+        try:
+            got = READERS[name](run, run_id)["iteration"]["reward/mean"]
+            same = set(got) == set(want) and all(abs(got[i] - want[i]) < 1e-6 for i in want)
+            detail = (f"one run, reward/mean at {len(got)} iterations" +
+                      ("" if same else f"; differs from loop_iterations ({len(want)} rows)"))
+        except AssertionError as e:
+            same, detail = False, f"not one run: {str(e)[:200]}"
+        ok &= same
+        print(f"{'PASS' if same else 'FAIL'}: {name} shows the run ({detail})")
+    return ok
+
+
 def _ms(x) -> str:
     return "-" if x is None else f"{x:.1f} ms"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--iterations", type=int, default=200)
+    ap.add_argument("--iterations", type=int, default=None, help="default: 200 (stand-ins), 2 (--demo)")
     ap.add_argument("--out", default="/tmp/polar-bench-loop")
     ap.add_argument("--demo", action="store_true", help="the demo's loop on real vLLM and Pi (phases per iteration)")
     ap.add_argument("--kill-at", type=int, default=None, help="kill -9 during this iteration, then resume")
@@ -277,6 +305,8 @@ def main() -> int:
     ap.add_argument("--compare-staleness", action="store_true",
                     help="run K=0 and K=1 (--max-staleness) side by side and compare iterations per hour")
     args = ap.parse_args()
+    if args.iterations is None:
+        args.iterations = 2 if (args.demo or args.compare_staleness) else 200
     if args.read:
         return 0 if report(Path(args.read), None) else 1
     if not (args.demo or args.compare_staleness):
@@ -287,7 +317,10 @@ def main() -> int:
         seen = run_standin(out, args.iterations, args.kill_at, args.tasks, args.samples, args.workers,
                            args.report_to)
         print(f"{args.iterations} iterations in {time.monotonic() - t0:.0f} s")
-        return 0 if report_standin(out, seen, args.iterations) else 1
+        ok = report_standin(out, seen, args.iterations)
+        if args.report_to:
+            ok &= check_trackers(out, args.report_to)
+        return 0 if ok else 1
     if not args.compare_staleness:
         wall = run_demo(Path(args.out), args.iterations, args.backend)
         return 0 if report(Path(args.out), wall) else 1

@@ -32,6 +32,7 @@ import queue
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -41,7 +42,7 @@ from typing_extensions import Unpack
 
 from .. import session_auth, session_ids
 from ..store import rollout_journal as journal
-from ..store import set_reward
+from ..store.db import Reward, store_rewards
 from . import harnesses
 from .protocol import (Assignment, EventDetail, Heartbeat, HeartbeatReply, NodeLoad, PolicyReport, PolicyTarget,
                        SessionEvent)
@@ -125,6 +126,43 @@ def probe_backend(url: str, timeout: float = 5.0) -> str | None:
     return None
 
 
+class CoalescedCallStats:
+    """Sessions' call stats, asked for as each one's harness exits, read together: the first
+    asker reads for everyone waiting then (and for those who came meanwhile, round after
+    round); the others wait for its answer. Each read takes the database from the proxy's
+    loader and gives it back: one per session was most of a busy node's database time."""
+
+    def __init__(self, db: str, timeout: float = 120.0):
+        self.db, self.timeout = db, timeout
+        self._lock = threading.Lock()
+        self._waiting: dict[str, list[Future]] = {}
+        self._reading = False
+
+    def get(self, session_id: str) -> journal.CallStats:
+        fut: Future = Future()
+        with self._lock:
+            self._waiting.setdefault(session_id, []).append(fut)
+            lead, self._reading = not self._reading, True
+        if lead:
+            while True:
+                with self._lock:
+                    batch, self._waiting = self._waiting, {}
+                    if not batch:
+                        self._reading = False
+                        break
+                try:
+                    stats = journal.call_stats_many(self.db, list(batch), timeout=self.timeout)
+                except Exception as e:
+                    for futs in batch.values():
+                        for f in futs:
+                            f.set_exception(e)
+                    continue
+                for sid, futs in batch.items():
+                    for f in futs:
+                        f.set_result(stats[sid])
+        return fut.result()
+
+
 class GatewayNode:
     def __init__(self, cfg: NodeConfig, runtime: Runtime | None = None,
                  launcher: Callable[[str, harnesses.RunContext], harnesses.Launch] = harnesses.launch):
@@ -157,6 +195,7 @@ class GatewayNode:
         self._heartbeat_lock = threading.Lock()
         self._unsettled: dict[str, tuple[float, dict, str]] = {}   # session -> (reward, info, task), not settled yet
         self._settled: queue.Queue[str | None] = queue.Queue()
+        self._call_stats = CoalescedCallStats(cfg.db) if cfg.db else None
         self.policy: PolicyReport | None = None
         # The backend: up (no URL: taken as up), what is wrong while it is down, and how
         # many times it went down (a session whose run saw one is handed back).
@@ -518,20 +557,32 @@ class GatewayNode:
                 self._unsettled[w.session_id] = (reward, {"state": state, "reason": reason}, w.task.task_id)
 
     def _store_rewards(self) -> None:
+        """The settled rewards, all those waiting in one write: each write takes the database
+        from the proxy's loader and gives it back, so one per session was one per heartbeat's
+        worth of sessions too many."""
         db = self.cfg.db
-        while True:
-            sid = self._settled.get()
-            if sid is None:
-                return
+        stopping = False
+        while not stopping:
+            sids = [self._settled.get()]
+            while True:
+                try:
+                    sids.append(self._settled.get_nowait())
+                except queue.Empty:
+                    break
+            stopping = None in sids
+            rewards = []
             with self._lock:
-                scored = self._unsettled.pop(sid, None)
-            if scored is None or db is None:
+                for sid in filter(None, sids):
+                    scored = self._unsettled.pop(sid, None)
+                    if scored is not None:
+                        reward, info, task_id = scored
+                        rewards.append(Reward(sid, reward, info, task_id))
+            if not rewards or db is None:
                 continue
-            reward, info, task_id = scored
             try:
-                set_reward(db, sid, reward, info=info, task_id=task_id, timeout=120.0)
-            except Exception:   # the server holds it too: the loop and `rollout` store it from there
-                log.exception("storing the reward of %s failed", sid)
+                store_rewards(db, rewards, timeout=120.0)
+            except Exception:   # the server holds them too: the loop and `rollout` store them from there
+                log.exception("storing the rewards of %s failed", ", ".join(r.session_id for r in rewards))
 
     def _released(self, w: Work) -> tuple[ReleaseCause, str] | None:
         """Why the session goes back to the server unscored, if it does: its recorded calls
@@ -575,9 +626,9 @@ class GatewayNode:
         """Its stats, with its call stats (read once: every call its harness got an answer to
         is recorded by the time it exits)."""
         stats = {k: v for k, v in w.stats.items() if k != "assigned_at"}
-        if w.calls is None and self.cfg.db and Path(self.cfg.db).exists():
+        if w.calls is None and self._call_stats is not None and Path(self._call_stats.db).exists():
             try:
-                w.calls = dict(journal.call_stats(self.cfg.db, w.session_id, timeout=120.0))
+                w.calls = dict(self._call_stats.get(w.session_id))
             except Exception as e:     # stats are nice to have; the reward is what counts
                 stats["stats_error"] = str(e)
         stats.update(w.calls or {})

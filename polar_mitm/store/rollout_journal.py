@@ -209,20 +209,27 @@ class CallStats(TypedDict):
 def call_stats(path: str | os.PathLike, session_id: str, timeout: float = 60.0) -> CallStats:
     """What the proxy recorded for one session (read after its harness has exited: every call
     it got an answer to is there, failed ones included)."""
+    return call_stats_many(path, [session_id], timeout)[session_id]
+
+
+def call_stats_many(path: str | os.PathLike, session_ids: list[str], timeout: float = 60.0) -> dict[str, CallStats]:
+    """call_stats of several sessions in one read (a session with no call: all zero)."""
     kinds = ", ".join(f"'{k}'" for k in BACKEND_ERROR_KINDS)
     with reading(path, timeout) as con:
-        row = con.execute(
-            "SELECT count(*), count(error), coalesce(sum(prompt_tokens), 0), "
+        rows = con.execute(
+            "SELECT session_id, count(*), count(error), coalesce(sum(prompt_tokens), 0), "
             f"coalesce(sum(completion_tokens), 0), count(*) FILTER (WHERE error_kind IN ({kinds})), "
             f"list_sort(list_distinct(list(error_kind) FILTER (WHERE error_kind IN ({kinds})))), "
             "count(*) FILTER (WHERE error IS NULL AND policy_version IS NULL) "
-            "FROM call_records WHERE session_id = ?",
-            [session_id]).fetchone()
-    assert row is not None   # an aggregate always has its row
-    n, failed, p, c, backend_failed, backend_kinds, unknown = row
-    return CallStats(calls=n, failed_calls=failed, prompt_tokens=int(p), completion_tokens=int(c),
-                     backend_failed_calls=backend_failed, backend_error_kinds=list(backend_kinds or []),
-                     unknown_version_calls=unknown)
+            "FROM call_records WHERE session_id IN (SELECT unnest(?::VARCHAR[])) GROUP BY session_id",
+            [list(session_ids)]).fetchall()
+    out = {sid: CallStats(calls=0, failed_calls=0, prompt_tokens=0, completion_tokens=0, backend_failed_calls=0,
+                          backend_error_kinds=[], unknown_version_calls=0) for sid in session_ids}
+    for sid, n, failed, p, c, backend_failed, backend_kinds, unknown in rows:
+        out[sid] = CallStats(calls=n, failed_calls=failed, prompt_tokens=int(p), completion_tokens=int(c),
+                             backend_failed_calls=backend_failed, backend_error_kinds=list(backend_kinds or []),
+                             unknown_version_calls=unknown)
+    return out
 
 
 class SessionOutput(TypedDict):

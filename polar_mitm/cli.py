@@ -201,10 +201,11 @@ DEMO_TASKS = Path(__file__).parent / "demo_tasks"
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """The demo's loop, chosen by measurement on a 2-core machine (docs/performance.md#the-demo):
-    the held-out reward must rise by 2 standard errors within 15 minutes. A Pi session costs
-    ~1.6 s of the machine (its Node.js start most of it), so the held-out tasks run at the
-    first and the last iteration only, 64 sessions each, and each iteration trains on 32."""
+    """The demo's loop, chosen by measurement on a 2-core machine (docs/performance.md, "The
+    demo and the closed loop"): the held-out reward must rise by 2 standard errors within 15
+    minutes. A Pi session costs ~1.6 s of the machine (its Node.js start most of it), so the
+    held-out tasks run at the first and the last iteration only, 64 sessions each, and each
+    iteration trains on 32."""
     iterations: int = 5
     samples: int = 8            # per task: 4 training tasks (32 sessions), 8 held-out ones (64)
     eval_every: int = 4         # held-out at iterations 1 and 5 (the first and the last)

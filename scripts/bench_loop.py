@@ -218,22 +218,28 @@ def window(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def report_standin(out: Path, seen: dict[int, dict], iterations: int) -> bool:
+def report_standin(out: Path, seen: dict[int, dict], iterations: int, kill_at: int | None = None) -> bool:
     figures = journal_figures(out / "run" / "rollouts.duckdb")
     at = {it: v["at"] for it, v in seen.items()}
     per_it = {it: at[it] - at[it - 1] for it in at if it - 1 in at and seen[it]["run"] == seen[it - 1]["run"]}
-    marks = [m for m in MARKS if m <= iterations]
-    print(f"\n{'iter':>5} {'s/iteration':>11} {'loop s':>7} {'saves':>6} {'save p50':>9} {'save p99':>9} "
+    # with a kill: the last iteration before it, and ten after the resume
+    extra = {kill_at - 1, kill_at + 10} if kill_at else set()
+    marks = sorted(m for m in {*MARKS, *extra} if 1 <= m <= iterations)
+    print(f"\n{'iter':>5} {'run':>7} {'s/iteration':>11} {'loop s':>7} {'saves':>6} {'save p50':>9} {'save p99':>9} "
           f"{'db MB':>7} {'loop RSS':>9} {'proxy RSS':>9}")
     rows = {}
     for m in marks:
         lo = max(2, m - 4)
         wall = window([per_it[i] for i in range(lo, m + 1) if i in per_it])
         inner = window([figures[i][3] for i in range(max(1, m - 4), m + 1) if i in figures and figures[i][3]])
-        saves, p50, p99 = (figures.get(m) or (None, None, None, None))[:3]
+        # the journal over the same five iterations: saves in all, the median p50, the worst p99
+        win = [figures[i] for i in range(max(1, m - 4), m + 1) if i in figures and figures[i][0]]
+        saves = sum(f[0] for f in win) if win else None
+        p50 = statistics.median(f[1] for f in win) if win else None
+        p99 = max(f[2] for f in win) if win else None
         s = seen.get(m, {})
         rows[m] = {"wall": wall, "p99": p99, "loop_rss": s.get("loop_rss"), "proxy_rss": s.get("proxy_rss")}
-        print(f"{m:>5} {wall:>11.2f} {inner:>7.2f} {saves if saves is not None else '-':>6} "
+        print(f"{m:>5} {s.get('run', '-'):>7} {wall:>11.2f} {inner:>7.2f} {saves if saves is not None else '-':>6} "
               f"{_ms(p50):>9} {_ms(p99):>9} {s.get('db_mb', float('nan')):>7.1f} "
               f"{s.get('loop_rss') or float('nan'):>9.0f} {s.get('proxy_rss') or float('nan'):>9.0f}")
     p99s = [f[2] for f in figures.values() if f[2] is not None]
@@ -317,7 +323,7 @@ def main() -> int:
         seen = run_standin(out, args.iterations, args.kill_at, args.tasks, args.samples, args.workers,
                            args.report_to)
         print(f"{args.iterations} iterations in {time.monotonic() - t0:.0f} s")
-        ok = report_standin(out, seen, args.iterations)
+        ok = report_standin(out, seen, args.iterations, args.kill_at)
         if args.report_to:
             ok &= check_trackers(out, args.report_to)
         return 0 if ok else 1

@@ -105,7 +105,7 @@ class RolloutServer:
         self._journal_log()
         self.fold()          # what a server killed -9 left in the log, before reading it all
         self._restore()
-        for name, fn in (("journal", self._journal_loop), ("reaper", self._reaper_loop),
+        for name, fn in (("journal", self._journal_loop), ("fold", self._fold_loop), ("reaper", self._reaper_loop),
                          ("callbacks", self._callback_loop)):
             t = threading.Thread(target=fn, name=f"rollout-{name}", daemon=True)
             t.start()
@@ -193,7 +193,11 @@ class RolloutServer:
                     return False
                 self._changed.wait(timeout=min(0.5, left) if left is not None else 0.5)
         self.flush()
-        self.fold()     # a caller that waited reads the outcome with SQL next
+        try:
+            self.fold()     # a caller that waited reads the outcome with SQL next
+        except Exception:   # saved in the log all the same: the next fold brings it
+            log.warning("folding the rollout journal into %s failed; SQL sees it at the next fold", self.db,
+                        exc_info=True)
         return True
 
     def pending_callbacks(self, task_ids: list[str] | None = None) -> list[dict]:
@@ -330,18 +334,20 @@ class RolloutServer:
 
     # -- journal ---------------------------------------------------------------------
     def _journal_loop(self) -> None:
-        folded = time.monotonic()
         while not self._stop.wait(self.flush_s):
             try:
                 self.flush()
             except Exception:
                 log.exception("saving rollout state failed; retrying")
-            if time.monotonic() - folded >= self.fold_s:
-                try:
-                    self.fold()
-                except Exception:   # the log keeps it all; the next fold tries again
-                    log.exception("folding the rollout journal into the database failed; retrying")
-                folded = time.monotonic()
+
+    def _fold_loop(self) -> None:
+        """Its own thread: a fold waits for the database (the proxy's loader hands it over),
+        and the saves must not wait with it."""
+        while not self._stop.wait(self.fold_s):
+            try:
+                self.fold()
+            except Exception:   # the log keeps it all; the next fold tries again
+                log.exception("folding the rollout journal into the database failed; retrying")
 
     def fold(self) -> None:
         """The journal log's saved changes into the database's rollout tables (SQL sees them)."""

@@ -7,13 +7,16 @@
 Long runs (the default): `polar-train loop` with a stand-in for vLLM (tests/fake_vllm.py, in
 this process), a tiny random model and a `command` harness (curl through the node's proxy),
 so that hundreds of iterations take minutes and only the loop's own costs show. It prints,
-at iterations 1, 10, 50, 100 and 200: the time per iteration (the median of the five that end
-there), the rollout journal's save p50/p99 (the rollout server's own figures, in
-loop_iterations), the database's size, and the RSS of the loop and the proxy; then the
-targets' PASS/FAIL lines: iteration time at the end within 10% of iteration 10, RSS within
-10%, the journal save p99 at most 50 ms throughout. --kill-at N kills the loop with SIGKILL
-during iteration N and reruns the same command (a resume), so the figures after N are the
-resumed run's.
+at iterations 1, 10, 50, 100 and 200: the time per iteration (wall, and the loop's own
+rollout + train + sync: medians of the five iterations that end there), the rollout
+journal's saves over those five iterations (their count, the median of their p50s and the
+worst p99: the rollout server's own figures, in loop_iterations), the database's size, and
+the RSS of the loop and the proxy; then the targets' PASS/FAIL lines: iteration time at the
+end within 10% of iteration 10, RSS within 10%, the journal save p99 at most 50 ms in every
+iteration. --kill-at N kills the loop with SIGKILL during iteration N and reruns the same
+command (a resume): the figures after N are the resumed run's, and it adds the marks N - 1
+and N + 10. With --report-to, each tracker is read back with its own library's reader: one
+run, reward/mean at every iteration, equal to loop_iterations.
 
 --demo runs `polar-mitm demo`'s loop on real vLLM and Pi and prints, per iteration, rollouts /
 training / sync (drain, reload, reset) / the rest as seconds and shares of the iteration, and

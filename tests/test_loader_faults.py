@@ -149,7 +149,15 @@ def test_every_fault_of_a_load_leaves_every_acknowledged_call_stored_exactly_onc
         while w.pending_lines and time.monotonic() < deadline:
             time.sleep(0.05)
         assert w.pending_lines == 0, "loading did not resume after the faults"
+        # The faults end; one more call loads cleanly. (The health below is the last load's:
+        # one that a fault failed after the rest was in, three times, read "failing".)
         faults.enabled = False
+        w.submit(SessionInfo("s~0", task_id="s"), record(len(acked))).result(30)
+        acked.append(f"c{len(acked)}")
+        deadline = time.monotonic() + 60
+        while w.pending_lines and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert w.pending_lines == 0
     finally:
         w.close()
     assert len(acked) > 5000

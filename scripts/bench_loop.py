@@ -129,6 +129,15 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
+def _fds(pid: int) -> tuple[int, int] | None:
+    """(open descriptors, the highest one's number): a leak shows in both."""
+    try:
+        fds = [int(f) for f in os.listdir(f"/proc/{pid}/fd")]
+    except OSError:
+        return None
+    return len(fds), max(fds, default=0)
+
+
 def children(pid: int) -> list[int]:
     out = []
     for p in filter(str.isdigit, os.listdir("/proc")):
@@ -190,7 +199,7 @@ def run_standin(out: Path, iterations: int, kill_at: int | None, tasks: int, sam
                 seen[it] = {"at": time.monotonic(), "db_mb": sum(os.path.getsize(p) for p in (db, Path(f"{db}.wal"))
                                                                   if p.exists()) / 1e6,
                             "loop_rss": rss_mb(proc.pid), "proxy_rss": rss_mb(proxy) if proxy else None,
-                            "run": attempt}
+                            "loop_fds": _fds(proc.pid), "run": attempt}
                 if it % 10 == 0 or it == 1:
                     print(f"  iteration {it}: {seen[it]['db_mb']:.1f} MB database, loop RSS "
                           f"{seen[it]['loop_rss'] or 0:.0f} MB, proxy RSS {seen[it]['proxy_rss'] or 0:.0f} MB",
@@ -229,7 +238,7 @@ def report_standin(out: Path, seen: dict[int, dict], iterations: int, kill_at: i
     extra = {kill_at - 1, kill_at + 10} if kill_at else set()
     marks = sorted(m for m in {*MARKS, *extra} if 1 <= m <= iterations)
     print(f"\n{'iter':>5} {'run':>7} {'s/iteration':>11} {'loop s':>7} {'saves':>6} {'save p50':>9} {'save p99':>9} "
-          f"{'db MB':>7} {'loop RSS':>9} {'proxy RSS':>9}")
+          f"{'db MB':>7} {'loop RSS':>9} {'proxy RSS':>9} {'loop fds':>9}")
     rows = {}
     for m in marks:
         lo = max(2, m - 4)
@@ -244,7 +253,8 @@ def report_standin(out: Path, seen: dict[int, dict], iterations: int, kill_at: i
         rows[m] = {"wall": wall, "p99": p99, "loop_rss": s.get("loop_rss"), "proxy_rss": s.get("proxy_rss")}
         print(f"{m:>5} {s.get('run', '-'):>7} {wall:>11.2f} {inner:>7.2f} {saves if saves is not None else '-':>6} "
               f"{_ms(p50):>9} {_ms(p99):>9} {s.get('db_mb', float('nan')):>7.1f} "
-              f"{s.get('loop_rss') or float('nan'):>9.0f} {s.get('proxy_rss') or float('nan'):>9.0f}")
+              f"{s.get('loop_rss') or float('nan'):>9.0f} {s.get('proxy_rss') or float('nan'):>9.0f} "
+              f"{'%d/%d' % s['loop_fds'] if s.get('loop_fds') else '-':>9}")
     p99s = [f[2] for f in figures.values() if f[2] is not None]
     worst = max(p99s) if p99s else float("nan")
     last = marks[-1]

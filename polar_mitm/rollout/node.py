@@ -459,8 +459,14 @@ class GatewayNode:
                 self.post.put(w)
                 continue
             w.stats["network"] = getattr(box, "network", "unknown")
-            result = w.result = box.run(launch.argv, launch.env, w.task.timeout, "harness",
-                                        proxy_port=self.cfg.proxy_port)
+            try:
+                result = w.result = box.run(launch.argv, launch.env, w.task.timeout, "harness",
+                                            proxy_port=self.cfg.proxy_port)
+            except Exception as e:   # the sandbox failed, not the policy: this slot keeps working
+                log.exception("running %s failed", w.session_id)
+                w.result = e
+                self.post.put(w)
+                continue
             w.stats["run_s"] = round(result.seconds, 3)
             w.stats["exit_code"] = result.exit_code
             self._report(w, Session.POST_RUN)

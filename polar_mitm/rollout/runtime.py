@@ -200,10 +200,13 @@ class LocalSandbox:
         fd, self._pid1fd = self._pid1fd, None
         if fd is None:
             return
+        # poll, not select: select fails on descriptors past 1024 (a long-lived node has them)
+        waiter = select.poll()
+        waiter.register(fd, select.POLLIN)
         try:
-            if not select.select([fd], [], [], 0)[0]:
+            if not waiter.poll(0):
                 signal.pidfd_send_signal(fd, signal.SIGKILL)
-                select.select([fd], [], [], 10.0)
+                waiter.poll(10_000)
         except ProcessLookupError:
             pass
         finally:

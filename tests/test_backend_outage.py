@@ -9,6 +9,8 @@ their session the same way."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import sys
 import time
 from pathlib import Path
@@ -75,8 +77,11 @@ def test_an_outage_releases_every_session_it_hit_and_every_sample_still_ends_wit
         assert s["reason"].startswith("backend unavailable: ") and "not the policy's doing" in s["reason"], s
     # released for the backend only (a probe's release included), and never scored
     released = [s for s in g["attempts"] if s["state"] == Session.RELEASED]
-    assert released and all(s["stats"]["release_cause"] == "backend_unavailable" and s["reward"] is None
-                            for s in released)
+    assert released and all(s["reward"] is None for s in released)
+    # the first attempts for the backend; a rerun that started the moment it was back may be
+    # released too: the gateway finds the weights it served unverifiable after the outage
+    assert all(s["stats"]["release_cause"] == "backend_unavailable" for s in released if s["attempt"] == 1)
+    assert all(s["stats"]["release_cause"] in ("backend_unavailable", "version_unknown") for s in released)
     assert all(s["state"] == Session.RELEASED for s in g["attempts"]), g["attempts"]
     # every sample ends with the evaluator's reward, from a run the outage did not touch
     assert len(g["sessions"]) == 8
@@ -90,8 +95,10 @@ def test_an_outage_releases_every_session_it_hit_and_every_sample_still_ends_wit
     assert rewards == sorted((s["session_id"], 1.0) for s in g["sessions"])
     assert [s["session_id"] for s in reward_records(g)] == [s["session_id"] for s in g["sessions"]]
     # the figures say how many were released and why
-    assert reruns == {"released: backend unavailable": len(released)}
-    assert f"released {len(released)} (backend unavailable {len(released)})" in released_line
+    words = {"backend_unavailable": "backend unavailable", "version_unknown": "policy version unknown"}
+    causes = Counter(words[s["stats"]["release_cause"]] for s in released)
+    assert reruns == {f"released: {cause}": n for cause, n in causes.items()}
+    assert f"released {len(released)} (backend unavailable {causes['backend unavailable']}" in released_line
 
 
 # -- bounded releases ---------------------------------------------------------------------------

@@ -26,6 +26,8 @@ from typing import TypedDict
 
 import orjson
 
+from .db import _pid_alive
+
 log = logging.getLogger("polar.journal")
 
 OWNER_FILE = ".owner"          # the pid of the server appending to the log
@@ -94,15 +96,7 @@ def owner_alive(db_path: str | os.PathLike) -> bool:
         pid = (log_dir(db_path) / OWNER_FILE).read_text().strip()
     except OSError:
         return False
-    if not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid.isdigit() and _pid_alive(f"{pid}-")   # as the loader's pid file is read
 
 
 def read_segment(path: Path) -> list[Batch]:

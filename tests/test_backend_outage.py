@@ -78,10 +78,11 @@ def test_an_outage_releases_every_session_it_hit_and_every_sample_still_ends_wit
     # released for the backend only (a probe's release included), and never scored
     released = [s for s in g["attempts"] if s["state"] == Session.RELEASED]
     assert released and all(s["reward"] is None for s in released)
-    # the first attempts for the backend; a rerun that started the moment it was back may be
-    # released too: the gateway finds the weights it served unverifiable after the outage
-    assert all(s["stats"]["release_cause"] == "backend_unavailable" for s in released if s["attempt"] == 1)
+    # for the backend, or for the weights it served, which the gateway could not vouch for
+    # after it came back (a session that ran across the outage between two probes, or a rerun
+    # that started the moment it was back): both the backend's doing, neither scored
     assert all(s["stats"]["release_cause"] in ("backend_unavailable", "version_unknown") for s in released)
+    assert any(s["stats"]["release_cause"] == "backend_unavailable" for s in released)
     assert all(s["state"] == Session.RELEASED for s in g["attempts"]), g["attempts"]
     # every sample ends with the evaluator's reward, from a run the outage did not touch
     assert len(g["sessions"]) == 8

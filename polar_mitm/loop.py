@@ -45,6 +45,7 @@ from .rollout.states import TASK_SETTLED, TERMINAL, Session
 from .session_ids import RUN_SEPARATOR, TASK_ID_MAX, run_task_id, task_of_run
 from .store import init_db, rollout_journal
 from .store.loop import iterations as stored_iterations
+from .store.loop import steps as stored_steps
 from .store.loop import IterationRow, TaskRewards, record_iteration, record_version
 from .store.training import set_rewards, training_calls
 from .trackers import Trackers, open_trackers
@@ -146,6 +147,9 @@ def _run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None]) -> list
                                  config={"loop": asdict(opts), "train": asdict(train_cfg)})
         base = str(Path(opts.model).resolve()) if opts.model else str(ensure_default_model(log=echo))
         init_db(db)
+        if state.completed:   # what a tracker writing behind the loop lost to a kill, from the database
+            trackers.catch_up([r for r in stored_iterations(db, state.run_id) if r["iteration"] < state.completed],
+                              [(it, m) for it, m in stored_steps(db, state.run_id) if it < state.completed])
         work = out / "work"
         work.mkdir(mode=0o700, exist_ok=True)
 

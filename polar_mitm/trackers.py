@@ -19,11 +19,12 @@ import math
 import os
 import re
 import secrets
+import struct
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal, Mapping, Protocol, Sequence
 
 import click
 
@@ -106,6 +107,12 @@ class Tracker(Protocol):
 
     def log(self, point: Point) -> None: ...
 
+    def holds(self, point: Point) -> bool:
+        """Whether the tracker's store held this point of the run when it opened: a resume
+        logs again what it lacks (Trackers.catch_up). A tracker that writes each log before
+        it returns holds every point of the iterations the loop completed."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -129,6 +136,9 @@ class TensorBoard:
         values = [Summary.Value(tag=k, simple_value=v) for k, v in point.metrics.items()]
         self._writer.add_event(Event(wall_time=time.time(), step=point.step, summary=Summary(value=values)))
         self._writer.flush()   # once an iteration: a kill -9 loses nothing already logged
+
+    def holds(self, point: Point) -> bool:
+        return True
 
     def close(self) -> None:
         self._writer.close()
@@ -157,13 +167,69 @@ class WandB:
         for prefix in ITERATION_PREFIXES:
             self._run.define_metric(f"{prefix}*", step_metric="iteration")
         self._run.define_metric(f"{STEP_PREFIX}*", step_metric="global_step")
-        self.where = f"{Path(self._run.dir).parent} ({'offline' if self._run.offline else 'online'})"
+        folder = Path(self._run.dir).parent
+        self.where = f"{folder} ({'offline' if self._run.offline else 'online'})"
+        # wandb's service writes behind the loop: a kill -9 loses what it still held. The last
+        # step that reached the earlier folders' files (offline), or the server (online).
+        if self._run.offline:
+            earlier = [p for p in folder.parent.glob(f"offline-run-*-{run_id}") if p != folder]
+            self._last = max((wandb_last_step(p / f"run-{run_id}.wandb") for p in earlier), default=-1)
+        else:
+            self._last = int(self._run.starting_step) - 1
 
     def log(self, point: Point) -> None:
         self._run.log({point.axis: point.step, **point.metrics}, step=point.order)
 
+    def holds(self, point: Point) -> bool:
+        return point.order <= self._last
+
     def close(self) -> None:
         self._run.finish()
+
+
+WANDB_HEADER = b":W&B\xe1\xbe\x00"   # a .wandb file's magic and version
+WANDB_BLOCK = 32768
+
+
+def wandb_records(path: Path) -> Iterator[Any]:
+    """The protobuf Records of a .wandb file (wandb's LevelDB-style log: 32 KiB blocks, each
+    chunk a 7-byte header of crc, length and type; wandb ships the Record message but no
+    reader). A file cut short by a kill ends at its last whole record."""
+    from google.protobuf.message import DecodeError
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    if data[:7] != WANDB_HEADER:
+        return
+    i, record = 7, b""
+    while i + 7 <= len(data):
+        if WANDB_BLOCK - i % WANDB_BLOCK < 7:          # a block's tail too short for a header: padding
+            i += WANDB_BLOCK - i % WANDB_BLOCK
+            continue
+        _, length, kind = struct.unpack("<IHB", data[i:i + 7])
+        if kind == 0 or i + 7 + length > len(data):    # zeroes, or a chunk the kill cut
+            return
+        chunk, i = data[i + 7:i + 7 + length], i + 7 + length
+        record = chunk if kind in (1, 2) else record + chunk    # FULL, FIRST | MIDDLE, LAST
+        if kind in (1, 4):
+            r = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
+            try:
+                r.ParseFromString(record)
+            except DecodeError:
+                return
+            yield r
+
+
+def wandb_last_step(path: Path) -> int:
+    """The last history step (wandb's own step) a .wandb file holds (-1: none, or no file)."""
+    last = -1
+    try:
+        for r in wandb_records(path):
+            if r.WhichOneof("record_type") == "history":
+                last = max(last, int(r.history.step.num))
+    except FileNotFoundError:
+        pass
+    return last
 
 
 class MLflow:
@@ -202,6 +268,9 @@ class MLflow:
         for i in range(0, len(metrics), 1000):   # log_batch's limit
             self._client.log_batch(self._id, metrics=metrics[i:i + 1000])
 
+    def holds(self, point: Point) -> bool:
+        return True   # log_batch commits before it returns
+
     def close(self) -> None:
         self._client.set_terminated(self._id)
 
@@ -228,9 +297,22 @@ class Trackio:
                                  auto_log_cpu=False, auto_log_gpu=False)
         self.where = str(wanted)
         self._trackio = trackio
+        # its sender thread writes behind the loop: a kill -9 loses what it still queued. The
+        # last step of each axis in its local database (a remote server's: not known, trusted).
+        self._last: dict[str, int] | None = None
+        if not (os.environ.get("TRACKIO_SPACE_ID") or os.environ.get("TRACKIO_SERVER_URL")):
+            from trackio.sqlite_storage import SQLiteStorage
+
+            self._last = {"iteration": 0, "global_step": 0}
+            for e in SQLiteStorage.get_logs(self._run.project, run=run_id, scalar_only=True):
+                axis = "iteration" if any(str(k).startswith(ITERATION_PREFIXES) for k in e) else "global_step"
+                self._last[axis] = max(self._last[axis], int(e["step"]))
 
     def log(self, point: Point) -> None:
         self._run.log(dict(point.metrics), step=point.step)
+
+    def holds(self, point: Point) -> bool:
+        return self._last is None or point.step <= self._last[point.axis]
 
     def close(self) -> None:
         self._trackio.finish()   # its current run (ours), which its exit hook would finish again
@@ -271,8 +353,35 @@ class Trackers:
         # above this iteration's steps (g + it - 1 at most), below the next one's first
         self._log(Point("iteration", it, g + it, iteration_metrics(row)))
 
-    def _log(self, point: Point) -> None:
+    def catch_up(self, rows: Iterable[IterationRow | Mapping[str, Any]],
+                 steps: Iterable[tuple[int, Mapping[str, Any]]]) -> None:
+        """On resume, before the next iteration: the completed iterations' rows and optimizer
+        steps (loop_iterations, loop_steps) that a tracker lacks, because it wrote behind the
+        loop when the last process was killed (Tracker.holds), logged to it again."""
+        by_iteration: dict[int, list[Mapping[str, Any]]] = {}
+        for it, m in steps:
+            by_iteration.setdefault(it, []).append(m)
+        g = 0
+        points: list[tuple[int, Point]] = []   # (1-based iteration, point), with the steps they had
+        for row in sorted(rows, key=lambda r: int(r["iteration"])):
+            it = int(row["iteration"])
+            for m in by_iteration.get(it, []):
+                step = int(m["global_step"])
+                g = max(g, step)
+                points.append((it + 1, Point("global_step", step, step + it, step_metrics(m))))
+            points.append((it + 1, Point("iteration", it + 1, g + it + 1, iteration_metrics(row))))
+        self._global_step = max(self._global_step, g)
         for t in list(self.trackers):
+            missing = [p for _, p in points if not t.holds(p)]
+            if missing:
+                held = max((it for it, p in points if p.axis == "iteration" and t.holds(p)), default=0)
+                self._echo(f"--report-to {t.name}: it holds iterations 1-{held} of this run; logging "
+                           f"{sum(p.axis == 'iteration' for p in missing)} more from the database")
+            for p in missing:
+                self._log(p, [t])
+
+    def _log(self, point: Point, only: Sequence[Tracker] | None = None) -> None:
+        for t in [t for t in self.trackers if only is None or t in only]:
             try:
                 t.log(point)
             except Exception as e:

@@ -92,3 +92,12 @@ def iterations(db: str | os.PathLike, run_id: str, timeout: float = 30.0) -> lis
         cur = con.execute("SELECT * FROM loop_iterations WHERE run_id = ? ORDER BY iteration", [run_id])
         cols = [d[0] for d in cur.description or []]
         return [dict(zip(cols, r)) for r in cur.fetchall()]
+
+
+def steps(db: str | os.PathLike, run_id: str, timeout: float = 30.0) -> list[tuple[int, dict[str, Any]]]:
+    """The run's optimizer steps as recorded: (0-based iteration, the trainer's metrics with
+    global_step), in order."""
+    with reading(db, timeout) as con:
+        rows = con.execute("SELECT iteration, metrics FROM loop_steps WHERE run_id = ? ORDER BY global_step",
+                           [run_id]).fetchall()
+    return [(it, orjson.loads(m)) for it, m in rows]

@@ -6,7 +6,7 @@ answer (a heartbeat, a submission), as it did when each batch was a DuckDB trans
 Opening the database for every batch cost 0.1-3 s, and more as the file grew (the call
 log's loader hands the file over, DuckDB checkpoints on close), on every heartbeat's path.
 
-The server folds closed segments into the rollout tables every few seconds
+The server folds closed segments into the rollout tables every fold_s seconds or when asked
 (rollout_journal.fold; no SQL here), in one
 transaction that also records the last segment folded (meta 'journal_folded'); a segment is
 deleted after its fold commits, and one that is still there but already folded is skipped,

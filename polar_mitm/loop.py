@@ -38,7 +38,7 @@ from .cli_params import model_dir_problem
 from .grpo.advantages import group_stats, no_signal
 from .loop_options import LoopOptions
 from .rollout.client import ServerClient, ServerError
-from .rollout.rewards import release_causes, reward_records
+from .rollout.rewards import incomplete, release_causes, reward_records
 from .rollout.protocol import Group, RewardRecord, SessionResult
 from .rollout.spec import TaskRequest, spec_changes, task_from_json
 from .rollout.states import TASK_SETTLED, TERMINAL, Session
@@ -212,6 +212,8 @@ def _run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None]) -> list
             groups = _wait_rollouts(client, [*train, *held_out], check, f"iteration {it + 1}/{opts.iterations} "
                                     f"rollouts (policy v{version})")
             rollout_s = time.monotonic() - t0
+            if stack.server is not None and not (opts.max_staleness >= 1 and it + 1 < opts.iterations):
+                stack.server.fold_soon()   # no session runs until the next rollouts: the fold slows no save
             if opts.max_staleness >= 1 and it + 1 < opts.iterations:
                 # The next iteration's rollouts run while this one trains and syncs: sampled by
                 # version v until the sync, v + 1 after it (each call knows which).
@@ -224,7 +226,13 @@ def _run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None]) -> list
                 sync(version, serving, asleep=True)
                 row_extra["sleep_s"] = time.monotonic() - t_sleep
             train_groups = {t.task_id: groups[t.task_id] for t in train}
-            finals = [s for g in train_groups.values() for s in g["sessions"]]   # one per sample
+            trained = dict(train_groups)   # a group with too few usable samples is reported and left out
+            for t in train:
+                why = incomplete(groups[t.task_id], t.spec.min_complete_fraction)
+                if why:
+                    echo(f"iteration {it + 1}: {task_of_run(t.task_id)} left out of training: {why}")
+                    del trained[t.task_id]
+            finals = [s for g in trained.values() for s in g["sessions"]]   # one per sample
             dbs = _store_rewards(db if not opts.server else None, client, train, groups)
             covers = {t.task_id: t.spec.reward_covers for t in train}
             data = training_calls(dbs, sessions=[s["session_id"] for s in finals], temperature=train_cfg.temperature,
@@ -241,7 +249,7 @@ def _run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None]) -> list
 
             t1 = time.monotonic()
             history: list[dict] = []
-            no_signal = _no_signal_reason(train_groups)
+            no_signal = _no_signal_reason(trained)
             if no_signal:
                 echo(f"iteration {it + 1}: nothing trained, no learning signal: {no_signal}")
             else:

@@ -4,6 +4,7 @@ stopped together; task files and harness installs. Shared by the CLIs and the lo
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from pathlib import Path
@@ -132,6 +133,35 @@ class Stack:
             self.services.pop().stop()
 
 
+def relative_to(task, base: Path):
+    """A task of a task file, with its relative paths (its workspace's path or local git
+    repository, its runtime's image where one is there, its prepare actions' copies) taken
+    from the file's directory, so that a task file and its repositories travel together."""
+    if not isinstance(task, dict):
+        return task
+
+    def here(p):
+        return str(base / p) if isinstance(p, str) and p and not os.path.isabs(p) and (base / p).exists() else p
+
+    task = dict(task)
+    ws = task.get("workspace")
+    if isinstance(ws, str):
+        task["workspace"] = here(ws)
+    elif isinstance(ws, dict):
+        task["workspace"] = {**ws, **{k: here(ws[k]) for k in ("path", "git") if k in ws}}
+    rt = task.get("runtime")
+    if isinstance(rt, str):
+        task["runtime"] = here(rt)
+    elif isinstance(rt, dict):
+        rt = {**rt, **({"image": here(rt["image"])} if "image" in rt else {})}
+        for key in ("prepare", "eval_prepare"):
+            if isinstance(rt.get(key), list):
+                rt[key] = [{**a, "copy": here(a["copy"])} if isinstance(a, dict) and "copy" in a else a
+                           for a in rt[key]]
+        task["runtime"] = rt
+    return task
+
+
 def read_tasks(path: str, harness: str | None, samples: int | None) -> list[TaskRequest]:
     """The tasks of a JSONL file; a bad line or a task_id given twice is an error that names
     its line(s)."""
@@ -151,7 +181,8 @@ def read_tasks(path: str, harness: str | None, samples: int | None) -> list[Task
             if not line.strip() or line.lstrip().startswith("#"):
                 continue
             try:
-                task = parse_task(orjson.loads(line), harness=harness, samples=samples)
+                task = parse_task(relative_to(orjson.loads(line), Path(path).resolve().parent), harness=harness,
+                                  samples=samples)
             except (orjson.JSONDecodeError, TaskError) as e:
                 raise click.ClickException(f"{path}:{n}: {e}")
             if task.task_id in lines:

@@ -42,6 +42,23 @@ if ! command -v bwrap >/dev/null; then
   command -v bwrap >/dev/null \
     || echo "warning: bubblewrap (bwrap) is not installed: sessions will run without the bwrap sandbox (install the bubblewrap package as root)" >&2
 fi
+# Environment images (a task's runtime.image): skopeo pulls them, umoci unpacks them, and
+# mmdebstrap builds the test image (scripts/build_test_image.sh). Same way: as root, best effort.
+IMAGE_TOOLS=(skopeo umoci mmdebstrap)
+missing=()
+for tool in "${IMAGE_TOOLS[@]}"; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+if [ "${#missing[@]}" -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"; } >/dev/null 2>&1 || true
+  elif [ "$(id -u)" = 0 ] && command -v dnf >/dev/null; then
+    dnf install -y -q "${missing[@]}" >/dev/null 2>&1 || true
+  fi
+  for tool in "${missing[@]}"; do
+    if [ "$tool" = mmdebstrap ]; then why="the test image (scripts/build_test_image.sh) cannot be built"
+    else why="tasks with an environment image (runtime.image) will fail"; fi
+    command -v "$tool" >/dev/null || echo "warning: $tool is not installed: $why (install the $tool package as root)" >&2
+  done
+fi
 # The demo's harness (polar-mitm demo runs Pi), from npm at its pinned version.
 if command -v npm >/dev/null; then
   .venv/bin/polar-mitm harness install pi >/dev/null || echo "warning: could not install the Pi harness from npm" >&2

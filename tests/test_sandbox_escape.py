@@ -24,6 +24,7 @@ import pytest
 
 from polar_mitm.rollout import GatewayNode, NodeConfig, RolloutServer
 from polar_mitm.rollout import bwrap as bw
+from polar_mitm.rollout import images
 from polar_mitm.rollout import runtime as rt
 from polar_mitm.rollout.runtime import LocalRuntime
 from polar_mitm.rollout.spec import Workspace
@@ -85,7 +86,10 @@ class Listener:
 
 
 @needs_bwrap
-def test_a_session_and_its_evaluator_cannot_get_out_of_the_sandbox(start_proxy, tmp_path):
+@pytest.mark.parametrize("image", [False, True], ids=["node-root", "image-root"])
+def test_a_session_and_its_evaluator_cannot_get_out_of_the_sandbox(start_proxy, tmp_path, image):
+    """Also with an environment image as the session's root (the test image: its own /usr,
+    /etc and a writable layer of the session's), where the same rules hold."""
     tok = token()
     # the node's own: a unix socket in the host /tmp (where vLLM's ZMQ IPC sockets live), an
     # abstract one, and a TCP port on every address
@@ -131,7 +135,8 @@ def test_a_session_and_its_evaluator_cannot_get_out_of_the_sandbox(start_proxy, 
         try:
             server.submit({"task_id": "escape", "instruction": "x", "harness": "command", "num_samples": 2,
                            "timeout": 60, "workspace": str(ws), "command": command,
-                           "evaluator": f"{sys.executable} probe.py evaluator && echo 1"})
+                           "evaluator": f"{sys.executable} probe.py evaluator && echo 1",
+                           **({"runtime": {"image": rt.TEST_IMAGE, "workdir": "/workspace"}} if image else {})})
             assert until(lambda: all(running(f"sleep {tok}{i}") for i in range(1, 5)), 30), \
                 "the stray processes never started"
             assert server.wait(["escape"], timeout=90)
@@ -156,8 +161,16 @@ def test_a_session_and_its_evaluator_cannot_get_out_of_the_sandbox(start_proxy, 
         got = json.loads((root / "work" / f"escape-{name}.json").read_text())
         report = json.dumps(got, indent=1)
         print(name, report)
-        attempts = {k: v for k, v in got.items() if isinstance(v, str) and k not in ("proxy", "CA cert")}
+        # in an image, / is the session's own layer over the image: its /etc/shadow is the
+        # image's (no secret of the node's), and what it writes there stays in that layer
+        own = ("/etc/shadow", "write /usr", "write /") if image else ()
+        attempts = {k: v for k, v in got.items() if isinstance(v, str) and k not in ("proxy", "CA cert", *own)}
         assert attempts and all(v.startswith("blocked") for v in attempts.values()), report
+        if image:
+            rootfs = runtime.images.lease(str(images.test_image())).image.rootfs
+            assert got["/etc/shadow"] == f"ESCAPED: {(rootfs / 'etc/shadow').read_bytes()[:40]!r}", report
+            assert not (rootfs / "usr/polar-escape").exists() and not (rootfs / "polar-escape").exists()
+            assert not Path("/usr/polar-escape").exists() and not Path("/polar-escape").exists()
         # no route: its own network namespace, not a firewall's refusal
         for k in ("TCP to the host's address", "TCP to 1.1.1.1:443", "TCP to 1.1.1.1:53"):
             assert got[k] == "blocked: ENETUNREACH", report
@@ -166,7 +179,9 @@ def test_a_session_and_its_evaluator_cannot_get_out_of_the_sandbox(start_proxy, 
         assert shown(got["ls CA dir"]) in ([], ["mitmproxy-ca-cert.pem"]), report   # the certificate only
         assert proxy.db.name not in shown(got["ls database dir"]), report
         assert f"polar-escape-{tok}.sock" not in shown(got["ls /tmp"]), report
-        assert shown(got["ls /run"]) in ([], ["polar"]), report                 # no host sockets
+        image_run = sorted(os.listdir(runtime.images.lease(str(images.test_image())).image.rootfs / "run")) \
+            if image else []
+        assert sorted(set(shown(got["ls /run"])) - set(image_run)) in ([], ["polar"]), report   # no host sockets
         assert not any(x in p for p in got["processes"] for x in ("-m pytest", "mitmdump", "janitor")), report
         assert len(got["processes"]) < 20, report                               # its own PID namespace
     harness = json.loads((root / "work" / "escape-harness.json").read_text())

@@ -34,6 +34,7 @@ from .harnesses import CA_VARS, harness_root
 
 NETBRIDGE = str(Path(__file__).with_name("netbridge.py"))
 INSIDE = "/run/polar"                   # the bridge and the proxy's socket, as the sandbox sees them
+NODE_INSIDE = "/run/polar/bin"          # in an image's sandbox: Node.js, first on its PATH
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 # What of /etc is the node's own secret: hidden (an empty file, an empty directory).
 SECRET_FILES = ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-", "/etc/sudoers",
@@ -97,14 +98,30 @@ class Bwrap:
         self.readonly = ro
         self.fixed = args
 
-    def argv(self, argv: list[str], *, rw: list[Path], ro: list[Path], env: dict[str, str], cwd: Path,
+    def image_fixed(self, root: str) -> list[str]:
+        """An image's sandbox: root (the session's writable layer over the image) as /, and
+        of the node only what runs the harness and the bridge, read-only: its Python (at its
+        own paths), the harness installs, and Node.js's binary at NODE_INSIDE (its prefix may
+        be /usr, which is the image's)."""
+        args = ["--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--bind", root, "/",
+                "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/var/tmp"]
+        for p in self.readonly:
+            args += ["--ro-bind", p, p]
+        node = shutil.which("node")
+        if node:
+            args += ["--ro-bind", os.path.realpath(node), f"{NODE_INSIDE}/node"]
+        return args
+
+    def argv(self, argv: list[str], *, rw: list[Path], ro: list[Path], env: dict[str, str], cwd: Path | str,
              network: str, proxy_port: int | None = None, sock_dir: str | None = None,
-             hide: Sequence[Path] = ()) -> list[str]:
+             hide: Sequence[Path] = (), root: str | None = None,
+             binds: Sequence[tuple[Path, str]] = ()) -> list[str]:
         """The bwrap command line that runs argv in cwd, with rw and ro shown at their own
-        paths over empty directories at `hide`. network: "isolated" (loopback; with
-        proxy_port and sock_dir, 127.0.0.1:proxy_port inside leads to the unix socket
-        sock_dir/proxy.sock outside) or "host"."""
-        args = [self.exe, *self.fixed]
+        paths over empty directories at `hide`, and each (path, where) of binds read-write at
+        where. network: "isolated" (loopback; with proxy_port and sock_dir, 127.0.0.1:proxy_port
+        inside leads to the unix socket sock_dir/proxy.sock outside) or "host". root: an
+        image's root filesystem (writable: the session's own layer) instead of the node's."""
+        args = [self.exe, *(self.image_fixed(root) if root else self.fixed)]
         if network == "host":
             args.append("--share-net")
         shown = [str(p) for p in rw + ro]
@@ -126,6 +143,8 @@ class Bwrap:
                 args += ["--tmpfs", d]
         for p in rw:
             args += ["--bind", str(p), str(p)]
+        for p, where in binds:
+            args += ["--bind", str(p), where]
         for p in ro:
             args += ["--ro-bind", str(p), str(p)]
         bridged = network != "host" and bool(proxy_port) and bool(sock_dir)
@@ -135,7 +154,9 @@ class Bwrap:
                 args += ["--cap-add", "CAP_NET_BIND_SERVICE"]
         for d in masks:
             args += ["--remount-ro", d]
-        args += ["--remount-ro", "/", "--chdir", str(cwd), "--"]
+        if not root:      # an image's root is the session's own layer: it writes there
+            args += ["--remount-ro", "/"]
+        args += ["--chdir", str(cwd), "--"]
         if bridged:
             args += [self.python, "-I", "-S", f"{INSIDE}/netbridge.py", str(proxy_port),
                      f"{INSIDE}/net/proxy.sock", "--"]

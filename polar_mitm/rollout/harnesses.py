@@ -24,6 +24,7 @@ from typing import Callable
 
 from .. import session_auth
 from ..models import cache_dir
+from . import mcp
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class RunContext:
     workdir: Path
     command: str | None = None     # the `command` harness's shell line
     credential: str | None = None  # the session's credential (session_auth.py), where the gateway checks them
+    mcp_servers: tuple[mcp.McpServer, ...] = ()   # the task's tools, in the CLI's own config (mcp.py)
+    skills: tuple[mcp.Skill, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,13 @@ def _pi_models(ctx: RunContext) -> str:
                     "compat": {"supportsDeveloperRole": False, "supportsReasoningEffort": False}}]}}})
 
 
+def _claude_tools(ctx: RunContext) -> str:
+    """Claude Code's --allowedTools: -p refuses any other tool. The task's MCP servers (each
+    one's tools, `mcp__NAME`) and skills (the Skill tool) are allowed along with its own."""
+    tools = ["Bash", "Read", "Edit", "Write", "Glob", "Grep"] + [f"mcp__{s.name}" for s in ctx.mcp_servers]
+    return ",".join(tools + (["Skill"] if ctx.skills else []))
+
+
 def _command_argv(exe: str, ctx: RunContext) -> list[str]:
     if not ctx.command:
         raise ValueError("the command harness needs a command")
@@ -206,7 +216,7 @@ def _command_argv(exe: str, ctx: RunContext) -> list[str]:
 _REGISTRY = [
     # Pinned versions: the ones measured through this proxy (../shared/reference/harnesses.md).
     Harness("claude", "anthropic", Package("@anthropic-ai/claude-code", "2.1.197", "claude"),
-            argv=lambda exe, ctx: [exe, "-p", ctx.instruction, "--allowedTools", "Bash,Read,Edit,Write,Glob,Grep"],
+            argv=lambda exe, ctx: [exe, "-p", ctx.instruction, "--allowedTools", _claude_tools(ctx)],
             env=lambda ctx: {"ANTHROPIC_API_KEY": session_key(ctx),
                              "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
                              "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
@@ -243,11 +253,14 @@ PACKAGES: dict[str, Package] = {h.name: h.package for h in _REGISTRY if h.packag
 
 
 def launch(name: str, ctx: RunContext) -> Launch:
-    """argv and environment for one session; config files are written into ctx.home."""
+    """argv and environment for one session; config files are written into ctx.home, with
+    the task's MCP servers merged into the CLI's own and its skills copied in (ValueError
+    where the CLI has no place for them)."""
     h = HARNESSES[name]
     argv = h.argv(str(executable(name)) if h.package else "", ctx)
-    for rel, text in h.files(ctx).items():
+    for rel, text in mcp.config_files(name, ctx.mcp_servers, h.files(ctx)).items():
         path = ctx.home / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    return Launch(argv, {**base_env(ctx), **h.env(ctx)})
+    mcp.install_skills(name, ctx.skills, ctx.home)
+    return Launch(argv, {**base_env(ctx), **h.env(ctx), **mcp.env(name, ctx.mcp_servers)})

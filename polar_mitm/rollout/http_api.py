@@ -29,14 +29,15 @@ import uvicorn
 from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictInt, StrictStr, Tag
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException
 
 from .protocol import (CancelReply, CancelRequest, Group, GroupsReply, GroupsRequest, Heartbeat, HeartbeatReply,
                        Number, PolicyRequest, PolicyStatus, PolicyTarget, Status, SubmitReply, Submitted, TaskList,
                        TaskStatus)
-from .spec import (HARNESSES, ON_FAILURE, REWARD_COVERS, TaskChanged, TaskError, TaskExists, TaskRequest,
+from .spec import (ENGINES, HARNESSES, LOG_PARSERS, NETWORKS, ON_FAILURE, REWARD_COVERS, TaskChanged, TaskError,
+                   TaskExists, TaskRequest,
                    parse_task)
 
 log = logging.getLogger("polar.rollout")
@@ -88,6 +89,41 @@ class EvaluatorIn(_In):
     timeout: Seconds = 120.0
 
 
+class TestsEvaluatorIn(_In):
+    kind: Literal["tests"]
+    fail_to_pass: list[StrictStr]
+    pass_to_pass: list[StrictStr] | None = None
+    test_command: StrictStr | None = None
+    log_parser: Literal[LOG_PARSERS] | None = None      # type: ignore[valid-type]
+    timeout: Seconds = 900.0
+    exclude: list[StrictStr] | None = None
+
+
+class ActionIn(_In):
+    run: StrictStr | None = None
+    copy_: StrictStr | None = Field(None, alias="copy", serialization_alias="copy")   # not BaseModel.copy
+    to: StrictStr | None = None
+    timeout: Seconds = 600.0
+
+
+class RuntimeIn(_In):
+    image: StrictStr
+    workdir: StrictStr | None = None
+    env: dict[str, StrictStr] | None = None
+    prepare: list[ActionIn | StrictStr] | None = None
+    eval_prepare: list[ActionIn | StrictStr] | None = None
+    network: Literal[NETWORKS] | None = None            # type: ignore[valid-type]
+    engine: Literal[ENGINES] | None = None              # type: ignore[valid-type]
+
+
+def _evaluator_kind(v: Any) -> str:
+    kind = v.get("kind") if isinstance(v, dict) else getattr(v, "kind", None)
+    return kind if kind in EVALUATOR_TAGS else "command"
+
+
+EVALUATOR_TAGS = ("tests", "command")   # an evaluator's kind: the errors name the fields of that kind only
+_EvaluatorKinds = Annotated[Annotated[TestsEvaluatorIn, Tag("tests")] | Annotated[EvaluatorIn, Tag("command")],
+                            Discriminator(_evaluator_kind)]
 _WORKSPACE = BeforeValidator(_shorthand("path", "a path, or an object with path, or git and commit"))
 _EVALUATOR = BeforeValidator(_shorthand("command", "a shell line, or an object with command and timeout"))
 
@@ -102,8 +138,8 @@ class TaskIn(_In):
         None, description="a directory: its path, or an object with path, or git and commit")
     num_samples: StrictInt = _TASK_DEFAULTS["num_samples"]
     timeout: Seconds = _TASK_DEFAULTS["timeout"]
-    evaluator: Annotated[EvaluatorIn | None, _EVALUATOR] = Field(
-        None, description="a shell line, or an object with command and timeout")
+    evaluator: Annotated[_EvaluatorKinds | None, _EVALUATOR] = Field(
+        None, description="a shell line, an object with command and timeout, or {kind: tests, fail_to_pass, ...}")
     priority: StrictInt = _TASK_DEFAULTS["priority"]
     callback_url: StrictStr | None = None
     metadata: dict[str, Any] | None = None
@@ -111,6 +147,12 @@ class TaskIn(_In):
     command: StrictStr | None = None
     on_failure: Literal[ON_FAILURE] = _TASK_DEFAULTS["on_failure"]    # type: ignore[valid-type]
     reward_covers: Literal[REWARD_COVERS] = _TASK_DEFAULTS["reward_covers"]  # type: ignore[valid-type]
+    runtime: Annotated[RuntimeIn | None, BeforeValidator(_shorthand("image", "an image, or an object with image"))] \
+        = Field(None, description="an environment image: a reference, or an object with image, workdir, env, "
+                                  "prepare, eval_prepare, network")
+    min_complete_fraction: Seconds = _TASK_DEFAULTS["min_complete_fraction"]
+    mcp_servers: dict[str, Any] | None = None
+    skills: dict[str, Any] | None = None
 
 
 # -- errors --------------------------------------------------------------------------------------
@@ -148,6 +190,7 @@ def _field_errors(exc: RequestValidationError) -> list[dict]:
                     loc[0] = f"tasks[{loc[0]}]"      # no task_id to name it by
                 else:
                     loc = loc[1:]
+        loc = [p for i, p in enumerate(loc) if not (i and loc[i - 1] == "evaluator" and p in EVALUATOR_TAGS)]
         where = ".".join(str(p) for p in loc)
         tid = task.get("task_id") if isinstance(task, dict) else None
         out.append({"field": where, "message": e.get("msg", "invalid"),
@@ -240,7 +283,7 @@ def make_app(server: RolloutAPI, threads: int = 64) -> FastAPI:
     def submit(tasks: Annotated[TaskIn | list[TaskIn], Body()]) -> SubmitReply:
         """Queue one task or a list of them; each answers its session ids once they are saved."""
         given = tasks if isinstance(tasks, list) else [tasks]
-        specs = [parse_task(t.model_dump(exclude_unset=True)) for t in given]
+        specs = [parse_task(t.model_dump(exclude_unset=True, by_alias=True)) for t in given]
         ids = [t.task_id for t in specs]
         twice = sorted({t for t in ids if ids.count(t) > 1})
         if twice:

@@ -43,11 +43,12 @@ from typing_extensions import Unpack
 from .. import session_auth, session_ids
 from ..store import rollout_journal as journal
 from ..store.db import Reward, store_rewards
-from . import harnesses
+from . import grading, harnesses, mcp
+from .grading import GradingUnavailable
 from .protocol import (Assignment, EventDetail, Heartbeat, HeartbeatReply, NodeLoad, PolicyReport, PolicyTarget,
                        SessionEvent)
 from .runtime import LocalRuntime, Runtime, RunResult, Sandbox, SetupError
-from .spec import TaskError, TaskRequest, parse_reward, task_from_json
+from .spec import TaskError, TaskRequest, TestsEvaluator, parse_reward, task_from_json
 from .states import OUTCOMES, RELEASE_CAUSE, TERMINAL, ReleaseCause, Session
 
 log = logging.getLogger("polar.node")
@@ -418,11 +419,13 @@ class GatewayNode:
             self._report(w, Session.INIT)
             t0 = time.monotonic()
             try:
-                w.sandbox = self.runtime.prepare(w.session_id, w.task.workspace)
+                w.sandbox = self.runtime.prepare(w.session_id, w.task.workspace, w.task.runtime)
             except (SetupError, OSError) as e:
                 self._report(w, Session.FAILED, reason=f"set-up failed: {e}")
                 continue
             w.stats["init_s"] = round(time.monotonic() - t0, 3)
+            if w.task.runtime is not None:   # of INIT: pulling and unpacking the image (0: cached)
+                w.stats["image_unpack_s"] = round(getattr(w.sandbox, "setup_s", 0.0), 3)
             self._report(w, Session.READY)
             w.stats["ready_since"] = time.monotonic()
             self.ready.put(w)        # blocks while the buffer is full: INIT never runs ahead
@@ -446,13 +449,15 @@ class GatewayNode:
             w.epoch = self._gateway_epoch()
             self._report(w, Session.RUN)
             box = w.box
-            ctx = harnesses.RunContext(
-                session_id=w.session_id, instruction=w.task.instruction,
-                proxy_port=self.cfg.proxy_port, ca_path=self.cfg.ca_path,
-                home=box.home, workdir=box.workdir, command=w.task.command,
-                credential=session_auth.credential(self.cfg.control_token, w.session_id)
-                if self.cfg.control_token else None)
             try:
+                ctx = harnesses.RunContext(
+                    session_id=w.session_id, instruction=w.task.instruction,
+                    proxy_port=self.cfg.proxy_port, ca_path=self.cfg.ca_path,
+                    home=box.home, workdir=box.workdir, command=w.task.command,
+                    credential=session_auth.credential(self.cfg.control_token, w.session_id)
+                    if self.cfg.control_token else None,
+                    mcp_servers=mcp.parse_mcp_servers(w.task.mcp_servers or None),   # a skill's directory:
+                    skills=mcp.parse_skills(w.task.skills or None))                  # on this node too
                 launch = self.launcher(w.task.harness, ctx)
             except (harnesses.HarnessMissing, ValueError, OSError) as e:
                 w.result = e
@@ -519,7 +524,15 @@ class GatewayNode:
             return
         reward: float | None = None
         reason: str | None = None
-        if w.task.evaluator is not None:
+        if isinstance(w.task.evaluator, TestsEvaluator):
+            try:
+                reward, reason = self._grade_tests(w, w.task.evaluator)
+            except (SetupError, GradingUnavailable, OSError) as e:   # the grader's environment: not the policy's
+                self._report(w, Session.FAILED, reason=f"grading failed: {session_auth.redact(str(e))[-500:]}",
+                             stats=self._stats(w))
+                return
+            self._score(w, reward, Session.DONE, reason)
+        elif w.task.evaluator is not None:
             t0 = time.monotonic()
             ev, box = w.task.evaluator, w.box
             env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(box.home),
@@ -545,6 +558,44 @@ class GatewayNode:
                     return
             self._score(w, reward, Session.DONE, reason)
         self._report(w, Session.DONE, reward=reward, reason=reason, stats=self._stats(w))
+
+    def _grade_tests(self, w: Work, ev: TestsEvaluator) -> tuple[float, str | None]:
+        """The session's diff, applied to a fresh copy of the task's environment (its image
+        again, prepare then eval_prepare), where its tests run (grading.py): 1.0 when every
+        one passes, 0.0 for an empty diff or any other outcome. The per-test results are kept
+        in the session's stats ("tests")."""
+        t0 = time.monotonic()
+        box, rt = w.box, w.task.runtime
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(box.home), "LANG": "C.UTF-8",
+               "TMPDIR": str(box.tmp)}
+        r = box.run(["/bin/sh", "-c", grading.diff_script(box.inside_workdir, ev.exclude)], env, 300.0, "diff")
+        patch = Path(env["TMPDIR"]) / grading.PATCH
+        if r.exit_code != 0 or not patch.exists():
+            raise SetupError(f"taking the session's diff failed (exit {r.exit_code}): {r.output_tail[-300:].strip()}")
+        data = patch.read_bytes()
+        w.stats["diff_bytes"] = len(data)
+        if not data.strip():
+            w.stats["eval_s"] = round(time.monotonic() - t0, 3)
+            return 0.0, "empty diff: the session changed nothing the tests evaluator grades"
+        actions = [*rt.prepare, *rt.eval_prepare] if rt is not None else None
+        fresh = self.runtime.prepare(f"{w.session_id}.eval", w.task.workspace, rt, actions=actions)
+        try:
+            fenv = {**env, "HOME": str(fresh.home), "TMPDIR": str(fresh.tmp)}
+            (fresh.tmp / grading.PATCH).write_bytes(data)
+            er = fresh.run(["/bin/sh", "-c", grading.test_script(ev, fresh.inside_workdir)], fenv, ev.timeout,
+                           "tests")
+            log_text = (fresh.logs / "tests.log").read_text(errors="replace")
+        finally:
+            fresh.teardown()
+        w.stats["eval_s"] = round(time.monotonic() - t0, 3)
+        w.stats["eval_output"] = session_auth.redact(er.output_tail)[-OUTPUT_CHARS:]
+        if er.timed_out:
+            return 0.0, f"the tests timed out after {ev.timeout:g}s"
+        if er.exit_code == 5:
+            return 0.0, "the diff does not apply to the task's repository"
+        g = grading.grade(log_text, ev)
+        w.stats["tests"] = g.tests
+        return g.reward, None if g.resolved else g.summary()
 
     def _failed(self, w: Work, reason: str) -> None:
         """The policy's failure (its harness run or its answer): scored 0 under on_failure

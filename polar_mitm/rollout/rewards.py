@@ -30,6 +30,27 @@ def reward_records(group: Group, on_failure: str = "zero") -> list[RewardRecord]
     return out
 
 
+def complete_fraction(group: Group) -> float:
+    """The share of its samples that ended done with a reward of their own (0 for none)."""
+    finals = group["sessions"]
+    if not finals:
+        return 0.0
+    scored = [s for s in finals if s["state"] == Session.DONE and s["reward"] is not None
+              and not (s.get("stats") or {}).get(UNSCORED)]
+    return len(scored) / len(finals)
+
+
+def incomplete(group: Group, min_fraction: float) -> str | None:
+    """Why the group is left out of training (None: it trains): fewer of its samples than
+    min_fraction ended with a reward of their own (a task's min_complete_fraction)."""
+    got = complete_fraction(group)
+    if min_fraction <= 0.0 or got >= min_fraction:
+        return None
+    n = len(group["sessions"])
+    return (f"{round(got * n)} of its {n} samples ended with a reward of their own, below its "
+            f"min_complete_fraction {min_fraction:g}")
+
+
 def release_causes(groups: Iterable[Group]) -> Counter[str]:
     """How many attempts of these groups were released, by cause (ReleaseCause's label:
     backend unavailable, policy version unknown, node stopped; "other" when a release named

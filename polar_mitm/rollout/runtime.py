@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import select
+import shlex
 import shutil
 import signal
 import socket
@@ -30,18 +31,21 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, Sequence
 
 from .. import session_ids
 from ..janitor import group_alive, janitor, kill_marked, uptime
-from .bwrap import NETBRIDGE, Bwrap
+from .bwrap import NETBRIDGE, NODE_INSIDE, Bwrap
 from .bwrap import probe as bwrap_probe
+from .images import ImageCache, ImageError, Lease, default_root, test_image
 from .netbridge import UnixToTcp, die_with_parent
-from .spec import Workspace
+from .spec import Action, RuntimeSpec, Workspace
 
 log = logging.getLogger("polar.sandbox")
 
 SANDBOX_MARK = "POLAR_SANDBOX"
+TEST_IMAGE = "polar-test:bookworm"     # the image scripts/build_test_image.sh builds (tests, the bug-fix tasks)
+IMAGE_CACHE_ENV = "POLAR_IMAGE_CACHE"   # where a node unpacks images (default: images.default_root())
 NET_PREFIX = "polar-net-"       # /tmp/polar-net-*: a proxy socket's directory
 KEPT = ".kept"                  # a session directory kept on purpose (keep=True)
 
@@ -71,6 +75,11 @@ class RunResult:
 class Sandbox(Protocol):
     workdir: Path
     home: Path
+    tmp: Path
+    logs: Path
+
+    @property
+    def inside_workdir(self) -> str: ...
 
     def run(self, argv: list[str], env: dict[str, str], timeout: float, log_name: str,
             proxy_port: int | None = None) -> RunResult: ...
@@ -79,11 +88,45 @@ class Sandbox(Protocol):
 
 
 class Runtime(Protocol):
-    def prepare(self, session_id: str, workspace: Workspace) -> Sandbox: ...
+    def prepare(self, session_id: str, workspace: Workspace, runtime: RuntimeSpec | None = None,
+                actions: Sequence[Action] | None = None) -> Sandbox: ...
 
 
 class SetupError(RuntimeError):
     """The workspace could not be made (bad path, git failure)."""
+
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+@dataclass
+class ImageLayer:
+    """A session's root in an environment image: the image's rootfs (shared, read-only) under
+    an overlay whose upper directory is the session's own, mounted in a mount namespace of
+    the sandbox's (it goes with it)."""
+    lease: Lease                 # the image, held while the session lives (never evicted meanwhile)
+    workdir: str                 # the session's working directory inside
+    env: dict[str, str]          # the image's environment, then the task's
+    upper: Path
+    work: Path
+    merged: Path
+    bound: bool                  # the task's workspace, copied on the node, is bound at workdir
+
+    def mount_argv(self) -> list[str]:
+        """The command that mounts the overlay and execs the rest: unshare's own mount
+        namespace (as root; elsewhere a user namespace as well, where the kernel lets one
+        mount overlayfs)."""
+        opts = f"lowerdir={self.lease.image.rootfs},upperdir={self.upper},workdir={self.work}"
+        mount = f"mount -t overlay overlay -o {shlex.quote(opts)} {shlex.quote(str(self.merged))}"
+        user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+        return ["unshare", *user, "--mount", "--propagation", "private", "/bin/sh", "-c", f'{mount} && exec "$@"',
+                "sh"]
+
+    def environ(self, env: dict[str, str]) -> dict[str, str]:
+        """env (the harness's or the evaluator's) inside the image: the image's and the task's
+        variables under it, and PATH the image's (or the task's), with Node.js first."""
+        path = self.env.get("PATH", DEFAULT_PATH)
+        return {**self.env, **env, "PATH": f"{NODE_INSIDE}:{path}"}
 
 
 class LocalSandbox:
@@ -94,6 +137,7 @@ class LocalSandbox:
     def __init__(self, root: Path, keep: bool = False, isolate: tuple[str, ...] | None = None,
                  mark: str | None = None, bwrap: Bwrap | None = None, network: str | None = None):
         self.root, self.keep, self.isolate, self.bwrap = root, keep, isolate, bwrap
+        self.image: ImageLayer | None = None
         self.kind = "bwrap" if bwrap else "local"
         self.network = network or ("isolated" if isolate else "host")
         self._bridges: list[tuple[UnixToTcp, str]] = []
@@ -106,12 +150,15 @@ class LocalSandbox:
         self._pid1fd: int | None = None   # and a pidfd on it (the run's thread only)
         self.lock = None                # its runtime's lock on the sessions' directory, held while it lives
         self._cancelled = False
+        self.setup_s = 0.0              # of its set-up, what pulling and unpacking its image took
 
     def run(self, argv: list[str], env: dict[str, str], timeout: float, log_name: str,
             proxy_port: int | None = None) -> RunResult:
         t0 = time.monotonic()
         if self._cancelled:
             return RunResult(None, False, True, 0.0, "cancelled before start")
+        if self.image is not None:
+            env = self.image.environ(env)
         if self.bwrap:
             argv = self._bwrapped(self.bwrap, argv, env, proxy_port)
         else:
@@ -141,7 +188,7 @@ class LocalSandbox:
                          time.monotonic() - t0, _tail(log))
 
     def _start(self, argv: list[str], env: dict[str, str], out) -> subprocess.Popen:
-        kw = dict(cwd=self.workdir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+        kw = dict(cwd=self.root if self.image else self.workdir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                   start_new_session=True,        # its own process group
                   preexec_fn=die_with_parent)    # and it dies if the node does
         if not self.bwrap:
@@ -151,7 +198,8 @@ class LocalSandbox:
         r, w = os.pipe()
         with os.fdopen(r, "rb") as f:
             try:
-                self._proc = subprocess.Popen([argv[0], "--info-fd", str(w), *argv[1:]], pass_fds=(w,), **kw)
+                at = argv.index(self.bwrap.exe) + 1    # an image's: after the overlay's mount
+                self._proc = subprocess.Popen([*argv[:at], "--info-fd", str(w), *argv[at:]], pass_fds=(w,), **kw)
             finally:
                 os.close(w)
             info = f.read()
@@ -169,9 +217,15 @@ class LocalSandbox:
         sock_dir = None
         if proxy_port and self.network == "isolated":
             sock_dir = self._bridge(proxy_port)
-        return bwrap.argv(argv, rw=[self.workdir, self.home, self.tmp], ro=[self.logs], env=env,
-                               cwd=self.workdir, network=self.network, proxy_port=proxy_port, sock_dir=sock_dir,
-                               hide=[self.root.parent])
+        im = self.image
+        if im is None:
+            return bwrap.argv(argv, rw=[self.workdir, self.home, self.tmp], ro=[self.logs], env=env,
+                              cwd=self.workdir, network=self.network, proxy_port=proxy_port, sock_dir=sock_dir,
+                              hide=[self.root.parent])
+        inner = bwrap.argv(argv, rw=[self.home, self.tmp], ro=[self.logs], env=env, cwd=im.workdir,
+                           network=self.network, proxy_port=proxy_port, sock_dir=sock_dir, hide=[self.root.parent],
+                           root=str(im.merged), binds=[(self.workdir, im.workdir)] if im.bound else [])
+        return [*im.mount_argv(), *inner]
 
     def _bridge(self, proxy_port: int) -> str:
         """A unix socket, in a directory of its own, that leads to the proxy's port."""
@@ -236,6 +290,45 @@ class LocalSandbox:
                 break
         kill_marked(f"{SANDBOX_MARK}={self.mark}", self.born)
 
+    @property
+    def inside_workdir(self) -> str:
+        """The working directory as its commands see it (an image's may be another path)."""
+        return self.image.workdir if self.image is not None else str(self.workdir)
+
+    def act(self, action: Action, name: str) -> None:
+        """One of a runtime's prepare actions: a shell line run in the workdir (with no way
+        out: nothing reaches the proxy), or a node path copied in. SetupError where it fails."""
+        if action.copy is not None:
+            self._copy_in(Path(action.copy), action.to or ".")
+            return
+        assert action.run is not None
+        env = {"PATH": DEFAULT_PATH, "HOME": str(self.home), "TMPDIR": str(self.tmp), "LANG": "C.UTF-8"}
+        r = self.run(["/bin/sh", "-c", action.run], env, action.timeout, name)
+        if r.exit_code != 0:
+            why = "timed out" if r.timed_out else "was cancelled" if r.cancelled else f"exited with code {r.exit_code}"
+            raise SetupError(f"runtime prepare action {action.run!r} {why}: {r.output_tail[-500:].strip()}")
+
+    def _copy_in(self, src: Path, to: str) -> None:
+        """src (a node path) at `to` in the session: in its workdir when relative (or inside
+        it), else into the image layer's upper directory (the session's own files)."""
+        if not src.exists():
+            raise SetupError(f"runtime prepare: copy {src}: no such file or directory on this node")
+        im = self.image
+        inside = to if os.path.isabs(to) else os.path.join(im.workdir if im else str(self.workdir), to)
+        inside = os.path.normpath(inside)
+        if im is None or (im.bound and (inside + "/").startswith(im.workdir.rstrip("/") + "/")):
+            base = im.workdir if im else str(self.workdir)
+            dest = self.workdir / os.path.relpath(inside, base)
+        else:
+            dest = im.upper / inside.lstrip("/")
+        if not (dest.resolve() == self.root.resolve() or self.root.resolve() in dest.resolve().parents):
+            raise SetupError(f"runtime prepare: copy to {to}: outside the session")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dest, symlinks=True, dirs_exist_ok=True)
+        else:
+            shutil.copy2(src, dest)
+
     def cancel(self) -> None:
         self._cancelled = True
         proc = self._proc
@@ -256,8 +349,10 @@ class LocalSandbox:
             bridge.close()
             shutil.rmtree(d, ignore_errors=True)
         self._bridges.clear()
+        if self.image is not None:
+            self.image.lease.release()
         if not self.keep:
-            shutil.rmtree(self.root, ignore_errors=True)
+            _remove_tree(self.root)
         elif self.root.exists():
             (self.root / KEPT).touch()     # kept on purpose: the next start leaves it
 
@@ -307,10 +402,15 @@ class LocalRuntime:
         # teardown (SIGKILL), its janitor ends every process of every sandbox it ran.
         self.mark = uuid.uuid4().hex
         self._watched = False
+        self.images: ImageCache | None = None   # made at the first session with an image
         self._lock = _claim(self.base)     # held while this runtime or one of its sandboxes lives
         sweep_bridges()
 
-    def prepare(self, session_id: str, workspace: Workspace) -> LocalSandbox:
+    def prepare(self, session_id: str, workspace: Workspace, runtime: RuntimeSpec | None = None,
+                actions: Sequence[Action] | None = None) -> LocalSandbox:
+        """A session's sandbox: its directories, its workspace, and with runtime its image's
+        root with runtime.prepare's actions run in it (actions: these instead, as a grading
+        environment's eval_prepare). SetupError where any of it fails."""
         safe = session_ids.file_safe(session_id)
         root = Path(tempfile.mkdtemp(prefix=f"{safe}-", dir=self.base))
         if not self._watched and not self.bwrap:     # bwrap's sandboxes die with this process
@@ -322,11 +422,43 @@ class LocalRuntime:
         for d in (box.home, box.tmp, box.logs):
             d.mkdir(mode=0o700)
         try:
-            _materialize(workspace, box.workdir)
+            if runtime is None:
+                _materialize(workspace, box.workdir)
+                return box
+            box.image = self._image_layer(root, workspace, runtime)
+            if box.image.bound:
+                _materialize(workspace, box.workdir)
+            else:
+                box.workdir.mkdir()
+            box.setup_s = box.image.lease.image.unpack_s
+            for i, action in enumerate(runtime.prepare if actions is None else actions):
+                box.act(action, f"prepare-{i}")
         except BaseException:
             box.teardown()
             raise
         return box
+
+    def _image_layer(self, root: Path, workspace: Workspace, runtime: RuntimeSpec) -> ImageLayer:
+        if self.bwrap is None:
+            raise SetupError(f"runtime.image {runtime.image} needs the bwrap sandbox, which this node lacks")
+        if runtime.engine != "bwrap":
+            raise SetupError(f"runtime.engine {runtime.engine} is not one this node runs (bwrap)")
+        if self.images is None:
+            self.images = ImageCache(Path(os.environ.get(IMAGE_CACHE_ENV) or default_root()))
+        try:
+            # the test image (scripts/build_test_image.sh) by its name: built here the first time
+            ref = str(test_image()) if runtime.image == TEST_IMAGE else runtime.image
+            lease = self.images.lease(ref)
+        except ImageError as e:
+            raise SetupError(str(e)) from None
+        cfg = lease.image.config or {}
+        env = dict(v.split("=", 1) for v in cfg.get("Env") or [] if "=" in v)
+        layer = ImageLayer(lease=lease, workdir=runtime.workdir or cfg.get("WorkingDir") or "/workspace",
+                           env={**env, **runtime.env}, upper=root / "layer" / "upper", work=root / "layer" / "work",
+                           merged=root / "layer" / "root", bound=bool(workspace.path or workspace.git))
+        for d in (layer.upper, layer.work, layer.merged):
+            d.mkdir(parents=True)
+        return layer
 
 
 _DROP: tuple[str, ...] | None = None
@@ -422,6 +554,23 @@ def _materialize(ws: Workspace, dest: Path) -> None:
         shutil.copytree(src, dest, symlinks=True)
     else:
         dest.mkdir()
+
+
+def _remove_tree(path: Path) -> None:
+    """A session's directory, whatever its image layer holds (a directory of mode 0555, the
+    overlay's work directory of mode 000)."""
+    shutil.rmtree(path, ignore_errors=True)
+    if not os.path.lexists(path):
+        return
+    for dirpath, dirnames, _ in os.walk(path):
+        for d in dirnames:
+            p = os.path.join(dirpath, d)
+            if not os.path.islink(p):
+                try:
+                    os.chmod(p, 0o700)
+                except OSError:
+                    pass
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _git(argv: list[str], what: str) -> None:

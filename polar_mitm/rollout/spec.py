@@ -11,6 +11,7 @@ from typing import Any
 
 from .. import session_ids
 from ..trainer_input import REWARD_COVERS
+from . import mcp
 from .harnesses import DEFAULT as DEFAULT_HARNESS
 from .harnesses import HARNESSES as _REGISTRY
 
@@ -60,6 +61,53 @@ class Evaluator:
 
 
 @dataclass(frozen=True)
+class TestsEvaluator:
+    """Graded by the task's tests, as SWE-bench grades: the session's diff of its workspace is
+    applied to a fresh copy of the task's environment (the image again, eval_prepare, the
+    workspace as the task gave it), where the fail_to_pass and pass_to_pass tests run. 1.0
+    when every one passes, else 0.0; an empty diff scores 0."""
+    fail_to_pass: tuple[str, ...]
+    pass_to_pass: tuple[str, ...] = ()
+    # {tests}: the test names, shell-quoted; run in the workdir. -rA: pytest's summary lines,
+    # which the log parser reads
+    test_command: str = "python3 -m pytest -rA -p no:cacheprovider {tests}"
+    log_parser: str = "pytest"
+    timeout: float = 900.0
+    exclude: tuple[str, ...] = ()       # more paths (globs) left out of the diff
+    kind: str = "tests"
+
+
+LOG_PARSERS = ("pytest",)
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step that makes a session's environment, run in INIT (prepare) or before grading
+    (eval_prepare): a shell line run in the workdir, or a node path copied in."""
+    run: str | None = None
+    copy: str | None = None             # a file or directory on the node
+    to: str | None = None               # where in the session (relative: to the workdir)
+    timeout: float = 600.0
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """The environment image a task's sessions run in: its root filesystem (read-only, shared
+    by sessions; each session writes to a layer of its own) under the node's sandbox."""
+    image: str                          # an OCI layout, oci:/oci-archive:/docker-archive: path, or a registry name
+    workdir: str | None = None          # the session's working directory (default: the image's, else /workspace)
+    env: dict = field(default_factory=dict)
+    prepare: tuple[Action, ...] = ()
+    eval_prepare: tuple[Action, ...] = ()
+    network: str = "proxy"              # proxy: the model proxy only, as every session; none: not even that
+    engine: str = "bwrap"
+
+
+NETWORKS = ("proxy", "none")
+ENGINES = ("bwrap",)
+
+
+@dataclass(frozen=True)
 class TaskRequest:
     task_id: str
     instruction: str
@@ -67,7 +115,7 @@ class TaskRequest:
     workspace: Workspace = field(default_factory=Workspace)
     num_samples: int = 1
     timeout: float = 600.0              # seconds for one harness run
-    evaluator: Evaluator | None = None
+    evaluator: Evaluator | TestsEvaluator | None = None
     priority: int = 0                   # higher runs first
     callback_url: str | None = None
     metadata: dict = field(default_factory=dict)
@@ -79,6 +127,14 @@ class TaskRequest:
     # Which calls the session's reward covers: "all", or "main" (its main loop: the calls to
     # the model it uses most; a router's or a title call's other model is left out).
     reward_covers: str = "all"
+    runtime: RuntimeSpec | None = None  # an environment image (None: the node's own system, read-only)
+    # Tools for the harness, in each CLI's own config (mcp.py): {"NAME": {"command", "args",
+    # "env"} | {"url"}}, and skills {"NAME": "/dir/with/SKILL.md"}; kept as given, checked here
+    mcp_servers: dict = field(default_factory=dict)
+    skills: dict = field(default_factory=dict)
+    # The group trains only when at least this fraction of its samples ended with a reward of
+    # their own (done and scored); below it the group is reported and left out.
+    min_complete_fraction: float = 0.0
 
     def session_ids(self) -> list[str]:
         return [session_ids.make(self.task_id, i) for i in range(self.num_samples)]
@@ -132,7 +188,9 @@ def parse_task(data: Any, *, harness: str | None = None, samples: int | None = N
     ev = d.get("evaluator")
     if isinstance(ev, str):
         ev = {"command": ev}
-    if ev is not None:
+    if isinstance(ev, dict) and ev.get("kind") == "tests":
+        ev = _tests_evaluator(ev, task_id)
+    elif ev is not None:
         if not isinstance(ev, dict) or not isinstance(ev.get("command"), str) or set(ev) - {"command", "timeout"}:
             raise TaskError(f"{task_id}: evaluator must be a shell line, or an object with command and timeout")
         if not ev["command"].strip() and not stored:   # "" would exit 0: every session scored 1.0
@@ -157,11 +215,114 @@ def parse_task(data: Any, *, harness: str | None = None, samples: int | None = N
     covers = d.get("reward_covers", "all")
     if covers not in REWARD_COVERS:
         raise TaskError(f"{task_id}: reward_covers must be one of {', '.join(REWARD_COVERS)}, not {covers!r}")
+    runtime = _runtime(d["runtime"], task_id) if d.get("runtime") is not None else None
+    if isinstance(ev, TestsEvaluator) and not (runtime or ws.get("path") or ws.get("git")):
+        raise TaskError(f"{task_id}: the tests evaluator needs the task's repository: a workspace, or a runtime "
+                        "image that holds it")
+    fraction = d.get("min_complete_fraction", 0.0)
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+        raise TaskError(f"{task_id}: min_complete_fraction must be a number from 0 to 1, not {fraction!r}")
+    try:
+        servers = mcp.servers_json(mcp.parse_mcp_servers(d.get("mcp_servers") or None))
+        skills = mcp.skills_json(mcp.parse_skills(d.get("skills") or None))
+    except ValueError as e:
+        raise TaskError(f"{task_id}: {e}") from None
+    if servers and h not in mcp.MCP_FILES:
+        raise TaskError(f"{task_id}: the {h} harness takes no MCP servers (these do: {', '.join(sorted(mcp.MCP_FILES))})")
+    if skills and h not in mcp.SKILL_DIRS:
+        raise TaskError(f"{task_id}: the {h} harness takes no skills (these do: {', '.join(sorted(mcp.SKILL_DIRS))})")
     return TaskRequest(task_id=task_id, instruction=instruction, harness=h,
                        workspace=Workspace(**ws), num_samples=n, timeout=timeout,
                        evaluator=ev, priority=priority, callback_url=url, metadata=meta,
                        early_stop=early, command=command, on_failure=on_failure,
-                       reward_covers=covers)
+                       reward_covers=covers, runtime=runtime, min_complete_fraction=float(fraction),
+                       mcp_servers=servers, skills=skills)
+
+
+def _strings(value, what: str, task_id: str) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(x, str) and x.strip() for x in value):
+        raise TaskError(f"{task_id}: {what} must be a list of non-empty strings, not {value!r}"[:300])
+    return tuple(value)
+
+
+def _tests_evaluator(ev: dict, task_id: str) -> TestsEvaluator:
+    fields = {f.name for f in dataclasses.fields(TestsEvaluator)}
+    if set(ev) - fields:
+        raise TaskError(f"{task_id}: unknown tests evaluator field(s): {', '.join(sorted(set(ev) - fields))}")
+    f2p = _strings(ev.get("fail_to_pass"), "evaluator.fail_to_pass", task_id)
+    if not f2p:   # nothing that must turn green: every diff would pass
+        raise TaskError(f"{task_id}: evaluator.fail_to_pass must name at least one test")
+    p2p = _strings(ev.get("pass_to_pass", []), "evaluator.pass_to_pass", task_id)
+    cmd = ev.get("test_command", TestsEvaluator.test_command)
+    if not isinstance(cmd, str) or "{tests}" not in cmd:
+        raise TaskError(f"{task_id}: evaluator.test_command must be a shell line with {{tests}} where the test "
+                        f"names go, not {cmd!r}")
+    parser = ev.get("log_parser", "pytest")
+    if parser not in LOG_PARSERS:
+        raise TaskError(f"{task_id}: evaluator.log_parser must be one of {', '.join(LOG_PARSERS)}, not {parser!r}")
+    return TestsEvaluator(fail_to_pass=f2p, pass_to_pass=p2p, test_command=cmd, log_parser=parser,
+                          timeout=_seconds(ev.get("timeout", 900.0), "evaluator.timeout", task_id),
+                          exclude=_strings(ev.get("exclude", []), "evaluator.exclude", task_id))
+
+
+def _actions(value, what: str, task_id: str) -> tuple[Action, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise TaskError(f"{task_id}: runtime.{what} must be a list of actions")
+    out = []
+    for i, a in enumerate(value):
+        if isinstance(a, str):
+            a = {"run": a}
+        where = f"{task_id}: runtime.{what}[{i}]"
+        if not isinstance(a, dict) or set(a) - {"run", "copy", "to", "timeout"}:
+            raise TaskError(f"{where} must be a shell line, or an object with run, or copy and to (and timeout)")
+        if bool(a.get("run")) == bool(a.get("copy")):
+            raise TaskError(f"{where} takes run (a shell line) or copy (a node path), one of them")
+        if a.get("run") is not None and (not isinstance(a["run"], str) or not a["run"].strip()):
+            raise TaskError(f"{where}: run must be a non-empty shell line")
+        if a.get("copy") is not None:
+            if not isinstance(a["copy"], str) or not os.path.isabs(a["copy"]):
+                raise TaskError(f"{where}: copy must be an absolute path on the node")
+            if not isinstance(a.get("to"), str) or not a["to"].strip():
+                raise TaskError(f"{where}: copy needs to (where in the session)")
+        elif a.get("to") is not None:
+            raise TaskError(f"{where}: to goes with copy")
+        out.append(Action(run=a.get("run"), copy=a.get("copy"), to=a.get("to"),
+                          timeout=_seconds(a.get("timeout", 600.0), f"runtime.{what}[{i}].timeout", task_id)))
+    return tuple(out)
+
+
+def _runtime(rt, task_id: str) -> RuntimeSpec:
+    if isinstance(rt, str):
+        rt = {"image": rt}
+    fields = {f.name for f in dataclasses.fields(RuntimeSpec)}
+    if not isinstance(rt, dict) or set(rt) - fields:
+        extra = sorted(set(rt) - fields) if isinstance(rt, dict) else []
+        raise TaskError(f"{task_id}: runtime must be an image reference, or an object with "
+                        f"{', '.join(sorted(fields))}" + (f" (unknown: {', '.join(extra)})" if extra else ""))
+    image = rt.get("image")
+    if not isinstance(image, str) or not image.strip():
+        raise TaskError(f"{task_id}: runtime.image must name an image (an OCI layout or archive, or a registry name)")
+    workdir = rt.get("workdir")
+    if workdir is not None and (not isinstance(workdir, str) or not os.path.isabs(workdir)
+                                or ".." in workdir.split("/") or workdir == "/"):
+        raise TaskError(f"{task_id}: runtime.workdir must be an absolute path in the image (not /), "
+                        f"not {workdir!r}")
+    env = rt.get("env") or {}
+    if not isinstance(env, dict) or not all(isinstance(k, str) and k and "=" not in k and isinstance(v, str)
+                                            for k, v in env.items()):
+        raise TaskError(f"{task_id}: runtime.env must map variable names to strings")
+    network = rt.get("network", "proxy")
+    if network not in NETWORKS:
+        raise TaskError(f"{task_id}: runtime.network must be one of {', '.join(NETWORKS)}, not {network!r} "
+                        "(a session reaches the model proxy and nothing else)")
+    engine = rt.get("engine", "bwrap")
+    if engine not in ENGINES:
+        raise TaskError(f"{task_id}: runtime.engine must be one of {', '.join(ENGINES)}, not {engine!r} "
+                        "(Docker and Podman do not run containers on these machines)")
+    return RuntimeSpec(image=image.strip(), workdir=workdir, env=dict(env),
+                       prepare=_actions(rt.get("prepare", []), "prepare", task_id),
+                       eval_prepare=_actions(rt.get("eval_prepare", []), "eval_prepare", task_id),
+                       network=network, engine=engine)
 
 
 def task_from_json(spec: dict) -> TaskRequest:

@@ -38,6 +38,7 @@ from .cli_params import model_dir_problem
 from .grpo.advantages import group_stats, no_signal
 from .loop_options import LoopOptions
 from .rollout.client import ServerClient, ServerError
+from .rollout.judging import judge_groups
 from .rollout.rewards import incomplete, release_causes, reward_records
 from .rollout.protocol import Group, RewardRecord, SessionResult
 from .rollout.spec import TaskRequest, spec_changes, task_from_json
@@ -212,6 +213,9 @@ def _run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None]) -> list
             groups = _wait_rollouts(client, [*train, *held_out], check, f"iteration {it + 1}/{opts.iterations} "
                                     f"rollouts (policy v{version})")
             rollout_s = time.monotonic() - t0
+            for line in judge_groups(groups, {t.task_id: t.spec for t in [*train, *held_out]},
+                                     None if opts.server else db, None if opts.server else backend):
+                echo(f"iteration {it + 1}: {line}")
             if stack.server is not None and not (opts.max_staleness >= 1 and it + 1 < opts.iterations):
                 stack.server.fold_soon()   # no session runs until the next rollouts: the fold slows no save
             if opts.max_staleness >= 1 and it + 1 < opts.iterations:

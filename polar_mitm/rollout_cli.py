@@ -24,6 +24,7 @@ from .grpo.advantages import group_stats, no_signal
 from .rollout import RolloutServer
 from .rollout import harnesses
 from .rollout.protocol import Group, SessionResult
+from .rollout.judging import judge_groups
 from .rollout.rewards import release_causes, reward_records
 from .rollout.spec import TaskChanged, TaskExists, TaskRequest, spec_changes, task_from_json
 from .rollout.states import ORDER, OUTCOMES, RELEASE_CAUSE, TASK_SETTLED, TERMINAL, Callback, ReleaseCause, Session
@@ -394,7 +395,10 @@ def register(main: click.Group) -> None:
             # the server's record of each group, stored (a node killed before it stored a
             # settled reward left it out)
             # (the stored spec: under --on-changed keep, the one that ran)
-            records = [r for tid in ids for r in reward_records(server.group(tid), server.tasks[tid].spec.on_failure)]
+            groups = {tid: server.group(tid) for tid in ids}
+            for line in judge_groups(groups, {tid: server.tasks[tid].spec for tid in ids}, db, backend):
+                click.echo(line)
+            records = [r for tid in ids for r in reward_records(groups[tid], server.tasks[tid].spec.on_failure)]
             if records:
                 set_rewards(db, records, timeout=120.0)
             print_summary(server, ids, run)

@@ -153,6 +153,7 @@ class TaskIn(_In):
     min_complete_fraction: Seconds = _TASK_DEFAULTS["min_complete_fraction"]
     mcp_servers: dict[str, Any] | None = None
     skills: dict[str, Any] | None = None
+    judge: dict[str, Any] | StrictStr | None = None
 
 
 # -- errors --------------------------------------------------------------------------------------

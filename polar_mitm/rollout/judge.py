@@ -27,12 +27,14 @@ import math
 import os
 import re
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
+from ..store import transcripts
 from ..store.transcripts import Transcript
 
 MODES = ("single", "group")
@@ -432,6 +434,21 @@ def _failed(e: JudgeError, call: dict) -> JudgeError:
     """A verdict's parse failure, with the call attached (and a cut-off answer said so)."""
     cut = " (the answer was cut off at max_tokens)" if call.get("finish_reason") == "length" else ""
     return JudgeError(f"{e}{cut}", call)
+
+
+def judge_transcript(db: str | os.PathLike | None, session_id: str, instruction: str | None,
+                     patch: Path | None = None) -> Transcript:
+    """A session's transcript to judge, from the database that holds its calls, with its diff
+    where the tests evaluator took one. JudgeError where there is nothing to judge."""
+    if not db:
+        raise JudgeError("no database to read the session's transcript from (the node has no --db)")
+    try:
+        t = transcripts.transcript(db, session_id, instruction)
+    except LookupError as e:
+        raise JudgeError(f"nothing to judge: {e}") from None
+    if patch is not None and patch.is_file():
+        t = replace(t, diff=patch.read_text(errors="replace"))
+    return t
 
 
 def judge_session(spec: JudgeSpec, transcript: Transcript, backend_url: str | None,

@@ -45,6 +45,7 @@ from ..store import rollout_journal as journal
 from ..store.db import Reward, store_rewards
 from . import grading, harnesses, mcp
 from .grading import GradingUnavailable
+from .judge import JudgeError, JudgeSpec, combine, judge_session, judge_transcript, parse_judge
 from .protocol import (Assignment, EventDetail, Heartbeat, HeartbeatReply, NodeLoad, PolicyReport, PolicyTarget,
                        SessionEvent)
 from .runtime import LocalRuntime, Runtime, RunResult, Sandbox, SetupError
@@ -531,7 +532,6 @@ class GatewayNode:
                 self._report(w, Session.FAILED, reason=f"grading failed: {session_auth.redact(str(e))[-500:]}",
                              stats=self._stats(w))
                 return
-            self._score(w, reward, Session.DONE, reason)
         elif w.task.evaluator is not None:
             t0 = time.monotonic()
             ev, box = w.task.evaluator, w.box
@@ -556,8 +556,30 @@ class GatewayNode:
                 except TaskError as e:   # nan or inf: the evaluation failed
                     self._failed(w, str(e))
                     return
+        if w.task.judge is not None:
+            spec = parse_judge(w.task.judge)
+            w.stats["outcome"] = reward          # the evaluator's, before the judge's score
+            if spec.mode == "group":             # scored with its group once that settles (judging.py)
+                reward = None
+            else:
+                try:
+                    reward = self._judged(w, spec, reward)
+                except JudgeError as e:
+                    w.stats["judge"] = {"error": str(e), "call": e.call}
+                    self._failed(w, f"judge: {e}")
+                    return
+        if reward is not None:
             self._score(w, reward, Session.DONE, reason)
         self._report(w, Session.DONE, reward=reward, reason=reason, stats=self._stats(w))
+
+    def _judged(self, w: Work, spec: JudgeSpec, outcome: float | None) -> float:
+        """The judge's score of the session's transcript (read from the database: the calls
+        its harness made), combined with the evaluator's outcome. The judge is asked directly,
+        never through the proxy: its calls are not a session's, and are never trained."""
+        t = judge_transcript(self.cfg.db, w.session_id, w.task.instruction, w.box.tmp / grading.PATCH)
+        result = judge_session(spec, t, self.cfg.backend_url)
+        w.stats["judge"] = result.info()
+        return combine(outcome, result.score, spec)
 
     def _grade_tests(self, w: Work, ev: TestsEvaluator) -> tuple[float, str | None]:
         """The session's diff, applied to a fresh copy of the task's environment (its image
@@ -611,7 +633,10 @@ class GatewayNode:
         server has moved on from (retried elsewhere after a restart) never gets a reward."""
         if self.cfg.db:
             with self._lock:
-                self._unsettled[w.session_id] = (reward, {"state": state, "reason": reason}, w.task.task_id)
+                info = {"state": state, "reason": reason}
+                if "judge" in w.stats:   # the judge's call and reasoning, with the reward
+                    info["judge"] = w.stats["judge"]
+                self._unsettled[w.session_id] = (reward, info, w.task.task_id)
 
     def _store_rewards(self) -> None:
         """The settled rewards, all those waiting in one write: each write takes the database

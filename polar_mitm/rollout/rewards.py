@@ -22,8 +22,11 @@ def reward_records(group: Group, on_failure: str = "zero") -> list[RewardRecord]
         if (s.get("stats") or {}).get(UNSCORED):
             continue
         if s["reward"] is not None:
-            out.append({"session_id": s["session_id"], "reward": s["reward"],
-                        "info": {"state": s["state"], "reason": s["reason"]}})
+            info = {"state": s["state"], "reason": s["reason"]}
+            judge = (s.get("stats") or {}).get("judge")
+            if judge is not None:   # the judge's call and reasoning, with the reward
+                info["judge"] = judge
+            out.append({"session_id": s["session_id"], "reward": s["reward"], "info": info})
         elif s["state"] in FAILED and on_failure == "zero":
             out.append({"session_id": s["session_id"], "reward": 0.0,
                         "info": {"state": s["state"], "reason": f"{s['reason']} (on_failure: zero)"}})

@@ -12,6 +12,7 @@ from typing import Any
 from .. import session_ids
 from ..trainer_input import REWARD_COVERS
 from . import mcp
+from .judge import parse_judge
 from .harnesses import DEFAULT as DEFAULT_HARNESS
 from .harnesses import HARNESSES as _REGISTRY
 
@@ -132,6 +133,9 @@ class TaskRequest:
     # "env"} | {"url"}}, and skills {"NAME": "/dir/with/SKILL.md"}; kept as given, checked here
     mcp_servers: dict = field(default_factory=dict)
     skills: dict = field(default_factory=dict)
+    # A judge's score on top of the evaluator's outcome (judge.py: reward = outcome +
+    # weight * score / max_score, or score / max_score with no evaluator); kept as given
+    judge: dict | None = None
     # The group trains only when at least this fraction of its samples ended with a reward of
     # their own (done and scored); below it the group is reported and left out.
     min_complete_fraction: float = 0.0
@@ -231,12 +235,19 @@ def parse_task(data: Any, *, harness: str | None = None, samples: int | None = N
         raise TaskError(f"{task_id}: the {h} harness takes no MCP servers (these do: {', '.join(sorted(mcp.MCP_FILES))})")
     if skills and h not in mcp.SKILL_DIRS:
         raise TaskError(f"{task_id}: the {h} harness takes no skills (these do: {', '.join(sorted(mcp.SKILL_DIRS))})")
+    judge = d.get("judge")
+    if judge is not None:
+        try:
+            parse_judge(judge)
+        except ValueError as e:
+            raise TaskError(f"{task_id}: {e}") from None
+        judge = {"rubric": judge} if isinstance(judge, str) else dict(judge)
     return TaskRequest(task_id=task_id, instruction=instruction, harness=h,
                        workspace=Workspace(**ws), num_samples=n, timeout=timeout,
                        evaluator=ev, priority=priority, callback_url=url, metadata=meta,
                        early_stop=early, command=command, on_failure=on_failure,
                        reward_covers=covers, runtime=runtime, min_complete_fraction=float(fraction),
-                       mcp_servers=servers, skills=skills)
+                       mcp_servers=servers, skills=skills, judge=judge)
 
 
 def _strings(value, what: str, task_id: str) -> tuple[str, ...]:

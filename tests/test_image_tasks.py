@@ -86,3 +86,23 @@ def test_a_group_trains_only_when_enough_of_its_samples_ended_with_a_reward():
     assert incomplete(g, 0.0) is None and incomplete(g, 0.4) is None
     assert incomplete(g, 0.6) == ("2 of its 5 samples ended with a reward of their own, below its "
                                   "min_complete_fraction 0.6")
+
+
+def test_pi_fixes_the_bugs_in_the_image_with_a_stand_in_that_answers_the_patch(tmp_path):
+    """The must-show run: `polar-mitm rollout` of the shipped task file with Pi, each session
+    in the test image, the stand-in backend answering Pi's first turn with a call of its bash
+    tool that applies the right patch (scripts/bugfix_rollout.py): every test passes, 1.0."""
+    import subprocess
+    import sys
+
+    from polar_mitm.store import query
+
+    images.test_image()
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bugfix_rollout.py"), "--backend", "stand-in",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _, rows = query(tmp_path / "rollouts.duckdb", "SELECT session_id, state, reward, stats FROM rollout_sessions")
+    assert sorted((sid, state, reward) for sid, state, reward, _ in rows) == [
+        ("bugfix-interval~0", "done", 1.0), ("bugfix-slugify~0", "done", 1.0), ("bugfix-stats~0", "done", 1.0)]
+    _, calls = query(tmp_path / "rollouts.duckdb", "SELECT count(*) FROM call_records WHERE error IS NULL")
+    assert calls[0][0] >= 6   # Pi's turns went through the proxy: the tool call, then its answer

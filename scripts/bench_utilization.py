@@ -222,6 +222,41 @@ def real_cli(name: str, sessions: int, workers: int, call_s: float, timeout: int
                   busy["call_s"] / busy["busy_s"] if busy and busy["busy_s"] else 0.0)
 
 
+def init_times(n: int) -> list[tuple[str, list[float], list[float]]]:
+    """INIT per session (LocalRuntime.prepare: the bwrap sandbox's directories, the workspace,
+    and with an image its layer and prepare action), n sessions each, side by side:
+    today's workspace copy; the test image cold (a fresh cache: each session unpacks it, one
+    after the other); the same image cached. (arm, INIT seconds, unpack seconds)."""
+    from polar_mitm.rollout import images
+    from polar_mitm.rollout.runtime import LocalRuntime
+    from polar_mitm.rollout.spec import parse_task
+
+    images.test_image()
+    repo = ROOT / "examples" / "bugfix" / "repos" / "stats"
+    prepare = ["git init -q && git add -A && git -c user.name=p -c user.email=p@localhost commit -qm task"]
+    plain = parse_task({"task_id": "w", "instruction": "x", "workspace": str(repo)})
+    imaged = parse_task({"task_id": "i", "instruction": "x", "workspace": str(repo),
+                         "runtime": {"image": "polar-test:bookworm", "workdir": "/workspace", "prepare": prepare}})
+    out = []
+    with tempfile.TemporaryDirectory(prefix="bench-init-") as d:
+        rt = LocalRuntime(Path(d) / "sessions", sandbox="bwrap")
+        for arm, task, cold in (("workspace copy (no image)", plain, False), ("image, cold cache", imaged, True),
+                                ("image, cached", imaged, False)):
+            took, unpack = [], []
+            for i in range(n):
+                if cold:   # a cache of its own: the image is pulled and unpacked again
+                    rt.images = images.ImageCache(Path(d) / f"cache-{i}")
+                t0 = time.monotonic()
+                box = rt.prepare(f"{task.task_id}~{i}", task.workspace, task.runtime)
+                took.append(time.monotonic() - t0)
+                unpack.append(box.setup_s)
+                box.teardown()
+            out.append((arm, took, unpack))
+            if cold:
+                rt.images = images.ImageCache(Path(d) / f"cache-{n - 1}")   # cached from here on
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sessions", type=int, default=240)
@@ -233,7 +268,15 @@ def main() -> int:
     ap.add_argument("--cli-sessions", type=int, default=8, help="samples of each CLI's task")
     ap.add_argument("--cli-workers", type=int, default=2, help="the gateway node's RUN slots (and INIT workers)")
     ap.add_argument("--cli-call-s", type=float, default=0.5, help="seconds each scripted completion takes")
+    ap.add_argument("--init-sessions", type=int, default=5, help="sessions per INIT arm (0: none)")
     args = ap.parse_args()
+    if args.init_sessions:
+        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        print(f"INIT per session ({args.init_sessions} each, the bug-fix stats repository, bwrap):")
+        print(f"{'arm':28} {'median':>8} {'min':>8} {'max':>8} {'unpack median':>14}")
+        for arm, took, unpack in init_times(args.init_sessions):
+            print(f"{arm:28} {med(took):7.2f}s {min(took):7.2f}s {max(took):7.2f}s {med(unpack):13.2f}s")
+        print()
     plan = draws(args.sessions, args.scale)
     call_s = 0.08 * args.scale
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731

@@ -21,9 +21,12 @@ from fake_vllm import FakeVLLM
 ROOT = Path(__file__).resolve().parents[1]
 BUGFIX = ROOT / "examples" / "bugfix"
 
-CHEAT = ("rm -f tests/test_stats.py; printf '%s\\n' 'import pytest' "
-         "'@pytest.hookimpl(hookwrapper=True)' 'def pytest_runtest_makereport(item, call):' "
-         "'    out = yield' '    out.get_result().outcome = \"passed\"' > conftest.py")
+HOOK = ("printf '%s\\n' 'import pytest' '@pytest.hookimpl(hookwrapper=True)' "
+        "'def pytest_runtest_makereport(item, call):' '    out = yield' '    out.get_result().outcome = \"passed\"'")
+# deletes the failing test, and adds a hook that passes everything: as a conftest.py, and as a
+# plugin that the pytest.ini loads
+CHEAT = (f"rm -f tests/test_stats.py; {HOOK} > conftest.py; {HOOK} > polarcheat.py; "
+         "printf '[pytest]\\npythonpath = .\\naddopts = -p polarcheat\\n' > pytest.ini")
 
 
 def test_the_bugfix_tasks_score_by_their_tests_in_the_image(start_proxy, tmp_path):

@@ -5,8 +5,10 @@ the official `swebench` package's log parser and report.
 The grade is stricter than SWE-bench's report alone: every fail_to_pass and pass_to_pass
 test must show as passed in the log. A test that never ran (its file deleted, a collection
 error) counts as failed, never as "silently" passed. And the diff cannot change what grades
-it: the test files the tests name, and every conftest.py, are the task's own again after
-the diff is applied (a new conftest.py is removed).
+it: the test files the tests name, every conftest.py, and the files that configure pytest
+(pytest.ini, tox.ini, setup.cfg, pyproject.toml) are the task's own again after the diff is
+applied (new ones are removed). What it cannot stop: the code under test runs in the test
+process, so a diff can still rewrite how that process reports (as in SWE-bench itself).
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ EXCLUDED = (".git", ".claude", ".codex", ".gemini", ".qwen", ".pi", ".mcp.json",
             ".venv", "venv", "__pycache__", "*.pyc", ".pytest_cache", ".mypy_cache", ".ruff_cache", "trajectories")
 
 
+# Files that configure the test runner, at any depth: after the diff, the task's versions (or
+# none, where the task has none). A plugin named in an ini file's addopts is code that grades.
+RUNNER_FILES = " ".join(f"'{p}' '*/{p}'" for p in ("conftest.py", "pytest.ini", "tox.ini", "setup.cfg",
+                                                   "pyproject.toml"))
+
+
 class GradingUnavailable(RuntimeError):
     """The swebench package is not installed on this node."""
 
@@ -31,13 +39,15 @@ def diff_script(workdir: str, exclude: tuple[str, ...] = ()) -> str:
     (exit 3: the workdir is no git repository)."""
     specs = " ".join(shlex.quote(f":(exclude,glob)**/{p}") + " " + shlex.quote(f":(exclude,glob)**/{p}/**")
                      for p in (*EXCLUDED, *exclude))
-    git = "git -c safe.directory='*' -c core.quotepath=off"
+    # the session's own .git/config may name commands (an fsmonitor, an external diff): off
+    git = ("git -c safe.directory='*' -c core.quotepath=off -c core.fsmonitor=false -c core.hooksPath=/dev/null "
+           "-c diff.external=")
     return (f"cd {shlex.quote(workdir)} || exit 3\n"
             f"{git} rev-parse --verify -q HEAD >/dev/null || "
             f"{{ echo 'the workspace is not a git repository with a commit: the tests evaluator diffs against it' >&2;"
             f" exit 3; }}\n"
             f"{git} add -A -- . {specs} >/dev/null || exit 4\n"
-            f"{git} diff --cached --binary HEAD > \"$TMPDIR/{PATCH}\"\n")
+            f"{git} diff --cached --binary --no-ext-diff --no-textconv HEAD > \"$TMPDIR/{PATCH}\"\n")
 
 
 def test_files(ev: TestsEvaluator) -> list[str]:
@@ -57,9 +67,9 @@ def test_script(ev: TestsEvaluator, workdir: str) -> str:
             f"{git} apply --binary --whitespace=nowarn \"$TMPDIR/{PATCH}\" || "
             f"{{ echo 'the diff does not apply to the task repository' >&2; exit 5; }}\n"
             f"{restore}"
-            # conftest.py: the task's own, and none the diff added
-            f"{git} ls-files -z -- '*conftest.py' 'conftest.py' | xargs -0 -r {git} checkout -q HEAD --\n"
-            f"{git} ls-files -z --others -- '*conftest.py' 'conftest.py' | xargs -0 -r rm -f --\n"
+            # what configures pytest (conftest.py, its ini files): the task's own, none the diff added
+            f"{git} ls-files -z -- {RUNNER_FILES} | xargs -0 -r {git} checkout -q HEAD --\n"
+            f"{git} ls-files -z --others -- {RUNNER_FILES} | xargs -0 -r rm -f --\n"
             f"echo '>>>>> polar tests start'\n"
             f"{ev.test_command.replace('{tests}', tests)}\n"
             f"echo \">>>>> polar tests exit $?\"\n")

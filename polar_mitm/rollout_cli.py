@@ -279,6 +279,9 @@ def print_summary(server: RolloutServer, task_ids: list[str], run: RunFigures | 
         together = f", {b['call_s'] / b['busy_s']:.1f} at once while busy" if b["busy_s"] else ""
         click.echo(f"model backend busy {b['share']:.1%} of the wall time ({b['busy_s']:.1f}s of "
                    f"{b['window_s']:.1f}s with at least one call at the backend; {b['calls']} calls{together})")
+    init = init_line([s for tid in task_ids for s in run.groups[tid]["sessions"] + run.groups[tid]["attempts"]])
+    if init:
+        click.echo(init)
     flat, settled = run.flat_groups()
     if flat:
         click.echo(f"zero-variance groups (no GRPO signal): {len(flat)} of {settled}: {', '.join(flat[:10])}"
@@ -286,6 +289,23 @@ def print_summary(server: RolloutServer, task_ids: list[str], run: RunFigures | 
     for title, reasons in (("cancelled", run.cancel_reasons()), ("ran again", run.rerun_reasons())):
         if reasons:
             click.echo(f"{title}: " + "; ".join(f"{k} x{v}" for k, v in reasons.most_common(8)))
+
+
+def init_line(sessions: list) -> str | None:
+    """INIT per session (its set-up: directories, workspace, image layer, prepare actions),
+    and of it what pulling and unpacking images took, by image: cold unpacks, cached ones."""
+    took = sorted(st["init_s"] for s in sessions if isinstance(st := (s.get("stats") or {}), dict)
+                  and isinstance(st.get("init_s"), (int, float)))
+    if not took:
+        return None
+    unpacks = [st["image_unpack_s"] for s in sessions if isinstance(st := (s.get("stats") or {}), dict)
+               and isinstance(st.get("image_unpack_s"), (int, float))]
+    line = f"INIT per session ({len(took)}): median {took[len(took) // 2]:.2f}s, max {took[-1]:.2f}s"
+    if unpacks:
+        cold = [u for u in unpacks if u > 0]
+        line += (f"; in an image: {len(unpacks) - len(cold)} cached" +
+                 (f", {len(cold)} unpacked it ({max(cold):.1f}s at most)" if cold else ""))
+    return line
 
 
 def callback_line(server: RolloutServer, task_ids: list[str]) -> str | None:

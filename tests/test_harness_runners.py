@@ -69,9 +69,9 @@ def short_timers(name, ctx):
     return launch
 
 
-def run_task(proxy, tmp_path, task: str, name: str, launcher, timeout: int) -> tuple[dict, str]:
-    """One sample of a task, run by a gateway node with `name`'s runner through the proxy:
-    its session, and the tail of its logs."""
+def run_task(proxy, tmp_path, task: str, name: str, launcher, timeout: int, **extra) -> tuple[dict, str]:
+    """One sample of a task (with extra fields), run by a gateway node with `name`'s runner
+    through the proxy: its session, and the tail of its logs."""
     server = RolloutServer(str(proxy.db)).start()
     runtime = LocalRuntime(tmp_path / "sessions", keep=True)
     node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=proxy.port, ca_path=proxy.ca,
@@ -81,7 +81,7 @@ def run_task(proxy, tmp_path, task: str, name: str, launcher, timeout: int) -> t
     try:
         server.submit({"task_id": task, "harness": name, "timeout": timeout,
                        "instruction": "Run the shell command 'echo hi' and tell me what it printed.",
-                       "evaluator": f"grep -q {MARKER} polar_proof.txt"})
+                       "evaluator": f"grep -q {MARKER} polar_proof.txt", **extra})
         assert server.wait([task], timeout=timeout + 60)
         session = server.group(task)["sessions"][0]
     finally:
@@ -131,6 +131,24 @@ def test_cli_completes_a_tool_loop_through_the_proxy(name, slow, scripted, start
     _, rows = query(proxy.db, "SELECT list(state ORDER BY event_at) FROM rollout_events WHERE session_id = ?", [sid])
     assert rows[0][0][:1] == ["pending"] and rows[0][0][-1] == "done"
     assert {"assigned", "init", "ready", "run", "post_run"} <= set(rows[0][0])
+
+
+@pytest.mark.parametrize("name", CLIS)
+def test_cli_runs_inside_an_environment_image(name, scripted, start_proxy, tmp_path):
+    """The CLI in the test image (issue 33): the image's root (its own /usr, bash, python3),
+    the node's Node.js and harness install bound in read-only; its shell tool runs the image's
+    bash, and the evaluator finds what it wrote."""
+    from polar_mitm.rollout import images
+    from polar_mitm.rollout.runtime import TEST_IMAGE
+
+    installed(name)
+    images.test_image()
+    proxy = start_proxy(scripted.url, extra_sets=NODE_SETS)
+    task = f"image-{name}@5f1c2a.0"
+    s, logs = run_task(proxy, tmp_path, task, name, harnesses.launch, 240,
+                       runtime={"image": TEST_IMAGE, "workdir": "/workspace"})
+    assert s["state"] == "done" and s["reward"] == 1.0, f"{s}\n{logs}"
+    assert s["stats"]["image_unpack_s"] >= 0 and s["stats"]["calls"] >= 2, s["stats"]
 
 
 @pytest.mark.parametrize("name", ["claude", "qwen"])

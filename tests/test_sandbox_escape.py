@@ -90,6 +90,8 @@ class Listener:
 def test_a_session_and_its_evaluator_cannot_get_out_of_the_sandbox(start_proxy, tmp_path, image):
     """Also with an environment image as the session's root (the test image: its own /usr,
     /etc and a writable layer of the session's), where the same rules hold."""
+    if image:
+        images.test_image()      # built before the clock starts (about 80 s the first time)
     tok = token()
     # the node's own: a unix socket in the host /tmp (where vLLM's ZMQ IPC sockets live), an
     # abstract one, and a TCP port on every address

@@ -25,6 +25,7 @@ import os
 import secrets
 import shutil
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
@@ -176,7 +177,9 @@ def _run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None]) -> list
                     + (["--logprobs-mode", "processed_logprobs"] if train_cfg.temperature != 1.0 else [])))
                 echo(f"vLLM ready after {time.monotonic() - t0:.0f}s")
                 backend = f"http://127.0.0.1:{port}"
-            server_url = stack.start_server(db).url
+            # synchronous, the loop folds the journal between iterations (fold_soon); async,
+            # sessions always run, and the server folds every 30 s
+            server_url = stack.start_server(db, **({"fold_s": 3600.0} if opts.max_staleness == 0 else {})).url
             stack.start_node(
                 db=db, backend=backend, work=work, proxy_port=launch.free_port(), workers=opts.workers,
                 max_tokens=opts.max_tokens, server_url=server_url, temperature=train_cfg.temperature,
@@ -205,8 +208,12 @@ def _run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None]) -> list
             trainer.load_state(Path(state.trainer_state))
 
         # the iterations -------------------------------------------------------------------------
+        folded: threading.Event | None = None   # the last iteration's fold, between its rollouts and the next
         for it in range(state.completed, opts.iterations):
             version = state.version
+            if folded is not None:
+                folded.wait(60.0)   # most often done already: it ran while the trainer trained
+                folded = None
             t0 = time.monotonic()
             train = _submit(client, tasks, state.run_id, it)
             held_out = _submit(client, eval_tasks, state.run_id, it, held_out=True) if opts.evaluates(it) else []
@@ -217,7 +224,8 @@ def _run_loop(opts: LoopOptions, train_cfg, echo: Callable[[str], None]) -> list
                                      None if opts.server else db, None if opts.server else backend):
                 echo(f"iteration {it + 1}: {line}")
             if stack.server is not None and not (opts.max_staleness >= 1 and it + 1 < opts.iterations):
-                stack.server.fold_soon()   # no session runs until the next rollouts: the fold slows no save
+                # no session runs until the next rollouts, which wait for it: the fold slows no save
+                folded = stack.server.fold_soon()
             if opts.max_staleness >= 1 and it + 1 < opts.iterations:
                 # The next iteration's rollouts run while this one trains and syncs: sampled by
                 # version v until the sync, v + 1 after it (each call knows which).

@@ -57,6 +57,8 @@ class RolloutServer:
         # the time), so it runs seldom; readers see unfolded state through the log (load()).
         self.fold_s = fold_s
         self._fold_now = threading.Event()
+        self._fold_waiters: list[threading.Event] = []
+        self._fold_waiters_lock = threading.Lock()
         self._log: JournalLog | None = None
         self._save_ms: list[float] = []     # the log's saves since journal_stats(reset=True)
         # The states and their transitions (a given scheduler brings its own settings).
@@ -351,17 +353,30 @@ class RolloutServer:
         while not self._stop.is_set():
             self._fold_now.wait(self.fold_s)
             self._fold_now.clear()
+            with self._fold_waiters_lock:
+                waiters, self._fold_waiters = self._fold_waiters, []
             if self._stop.is_set():
+                for w in waiters:
+                    w.set()
                 break
             try:
                 self.fold()
             except Exception:   # the log keeps it all; the next fold tries again
                 log.exception("folding the rollout journal into the database failed; retrying")
+            finally:
+                for w in waiters:   # done, or failed: a waiter waits no longer either way
+                    w.set()
 
-    def fold_soon(self) -> None:
+    def fold_soon(self) -> threading.Event:
         """Fold now, in the fold's thread: a caller that knows no session runs (the loop
-        between its rollouts and training) keeps the fold's disk writes off every save."""
+        between its rollouts and training) keeps the fold's disk writes off every save.
+        Returns an event set once a fold that started after this call is done: wait on it
+        before sessions run again."""
+        done = threading.Event()
+        with self._fold_waiters_lock:
+            self._fold_waiters.append(done)
         self._fold_now.set()
+        return done
 
     def fold(self) -> None:
         """The journal log's saved changes into the database's rollout tables (SQL sees them)."""

@@ -272,10 +272,11 @@ def main() -> int:
     args = ap.parse_args()
     if args.init_sessions:
         med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-        print(f"INIT per session ({args.init_sessions} each, the bug-fix stats repository, bwrap):")
+        print(f"INIT per session ({args.init_sessions} each, the bug-fix stats repository, bwrap; the image "
+              "arms also run the task's prepare action, a git init and commit in the sandbox):")
         print(f"{'arm':28} {'median':>8} {'min':>8} {'max':>8} {'unpack median':>14}")
         for arm, took, unpack in init_times(args.init_sessions):
-            print(f"{arm:28} {med(took):7.2f}s {min(took):7.2f}s {max(took):7.2f}s {med(unpack):13.2f}s")
+            print(f"{arm:28} {med(took):7.3f}s {min(took):7.3f}s {max(took):7.3f}s {med(unpack):13.3f}s")
         print()
     plan = draws(args.sessions, args.scale)
     call_s = 0.08 * args.scale

@@ -420,9 +420,16 @@ class GatewayNode:
             self._report(w, Session.INIT)
             t0 = time.monotonic()
             try:
-                w.sandbox = self.runtime.prepare(w.session_id, w.task.workspace, w.task.runtime)
+                if w.task.runtime is None:   # a runtime of its own (a test's, a bench's) may take no image
+                    w.sandbox = self.runtime.prepare(w.session_id, w.task.workspace)
+                else:
+                    w.sandbox = self.runtime.prepare(w.session_id, w.task.workspace, w.task.runtime)
             except (SetupError, OSError) as e:
                 self._report(w, Session.FAILED, reason=f"set-up failed: {e}")
+                continue
+            except Exception as e:   # the runtime's own failure: this INIT worker goes on
+                log.exception("setting up %s failed", w.session_id)
+                self._report(w, Session.FAILED, reason=f"set-up failed: {type(e).__name__}: {e}")
                 continue
             w.stats["init_s"] = round(time.monotonic() - t0, 3)
             if w.task.runtime is not None:   # of INIT: pulling and unpacking the image (0: cached)

@@ -51,9 +51,11 @@ def start(tasks: Path, db: Path, backend: str) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
-def finish(tasks: Path, db: Path, backend: str) -> int:
-    return subprocess.run([POLAR, "rollout", str(tasks), "--db", str(db), "--backend", backend, "--workers", "4"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600).returncode
+def finish(tasks: Path, db: Path, backend: str) -> tuple[int, str]:
+    """The final rerun's exit code, and the tail of what it printed (a failure says why)."""
+    done = subprocess.run([POLAR, "rollout", str(tasks), "--db", str(db), "--backend", backend, "--workers", "4"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    return done.returncode, done.stdout[-600:]
 
 
 def check(db: Path, trial: str) -> list[str]:
@@ -114,10 +116,10 @@ def soak(kills: int, interrupts: int, seed: int = 0, work: Path | None = None, l
                     if code not in (130, 0, 3):
                         report["problems"].append(f"{trial}: SIGINT exit code {code}")
                     report["interrupts"] += 1
-            code = finish(tasks, db, backend.url)
+            code, said = finish(tasks, db, backend.url)
             problems = check(db, trial)
             if code != 0:
-                problems.append(f"{trial}: the final rerun exited {code}")
+                problems.append(f"{trial}: the final rerun exited {code}: {said}")
             report["problems"] += problems
             report["trials"] += 1
             log(f"{trial}: {'held' if not problems else '; '.join(problems)} ({time.monotonic() - t0:.0f}s)")

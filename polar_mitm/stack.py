@@ -8,7 +8,7 @@ import os
 import secrets
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import click
 import orjson
@@ -121,16 +121,38 @@ class Stack:
 
     def stop_nodes(self) -> None:
         """The nodes first: each stores the rewards the server settled before it returns."""
-        while self.nodes:
-            self.nodes.pop().stop()
+        _each(self.nodes, lambda node: node.stop())
 
     def stop(self) -> None:
-        self.stop_nodes()
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
-        while self.services:
-            self.services.pop().stop()
+        """Every part, in order (nodes, server, services), each stopped even when another's
+        stop failed (a fold that timed out, an interrupt): a proxy left running would hold the
+        database from the next run. The first failure is raised once all are stopped."""
+        errors: list[BaseException] = []
+        for step in (self.stop_nodes, self._stop_server, lambda: _each(self.services, lambda s: s.stop())):
+            try:
+                step()
+            except BaseException as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def _stop_server(self) -> None:
+        server, self.server = self.server, None
+        if server is not None:
+            server.stop()
+
+
+def _each(items: list, stop: Callable[[Any], None]) -> None:
+    """Pops and stops every item, last first, all of them whatever fails; then raises the
+    first failure."""
+    errors: list[BaseException] = []
+    while items:
+        try:
+            stop(items.pop())
+        except BaseException as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 def relative_to(task, base: Path):

@@ -129,11 +129,11 @@ class RolloutServer:
             t.join(timeout=5.0)
         try:
             self.flush()
-            self.fold()
+            self.fold()   # the log keeps what a failed fold left: the next server or `sql` folds it
         finally:
             if self._log is not None:
                 self._log.close()
-        self._client.close()
+            self._client.close()
 
     def _restore(self) -> None:
         tasks, sessions = journal.load(self.db)

@@ -24,9 +24,9 @@ def judge_groups(groups: Mapping[str, Group], specs: Mapping[str, TaskRequest], 
     lines = []
     for tid, g in groups.items():
         spec = specs[tid]
-        if spec.judge is None or parse_judge(spec.judge).mode != "group":
+        judge = parse_judge(spec.judge) if spec.judge is not None else None
+        if judge is None or judge.mode != "group":
             continue
-        judge = parse_judge(spec.judge)
         done = [s for s in g["sessions"] if s["state"] == Session.DONE]
         if not done:
             continue

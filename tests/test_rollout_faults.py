@@ -497,3 +497,38 @@ def test_a_reward_is_stored_only_once_the_server_settles_the_outcome(tmp_path):
         server.stop()
     _, rows = query(db, "SELECT session_id, reward FROM sessions ORDER BY 1")
     assert rows == [("r~0.r2", 0.5), ("r~1", 0.5)]
+
+
+def test_a_sessions_command_dies_with_the_node_and_starts_without_fork(tmp_path):
+    """The harness dies when the node does (PDEATHSIG, set by setpriv before it execs), and
+    Popen gets no preexec_fn: one would make it fork, copying a large node's page tables
+    while holding the GIL (20-100 ms per session start in a loop's process)."""
+    seconds = _token()
+    node = subprocess.Popen([sys.executable, "-c", f"""
+import os, subprocess, sys, time
+from pathlib import Path
+from polar_mitm.rollout.runtime import LocalRuntime
+from polar_mitm.rollout.spec import Workspace
+seen = []
+real = subprocess.Popen.__init__
+def spy(self, *a, **kw):
+    seen.append(kw.get("preexec_fn"))
+    real(self, *a, **kw)
+subprocess.Popen.__init__ = spy
+box = LocalRuntime(Path({str(tmp_path / 's')!r})).prepare("t~0", Workspace())
+import threading
+threading.Thread(target=box.run, args=(["sleep", "{seconds}"], {{"PATH": os.environ["PATH"]}}, 60, "h"),
+                 daemon=True).start()
+time.sleep(1.0)
+print("preexec", seen[-1], flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+    try:
+        line = node.stdout.readline()
+        assert line.strip() == "preexec None", line
+        assert _until(lambda: _alive(f"sleep {seconds}"), 10), "the session's command did not start"
+        node.kill()
+        node.wait()
+        assert _until(lambda: not _alive(f"sleep {seconds}"), 10), "the session's command outlived its node"
+    finally:
+        node.kill()

@@ -188,9 +188,15 @@ class LocalSandbox:
                          time.monotonic() - t0, _tail(log))
 
     def _start(self, argv: list[str], env: dict[str, str], out) -> subprocess.Popen:
-        kw = dict(cwd=self.root if self.image else self.workdir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                  start_new_session=True,        # its own process group
-                  preexec_fn=die_with_parent)    # and it dies if the node does
+        # Its own process group, and it dies if the node does: setpriv sets that signal and
+        # execs it, so Popen can vfork. A preexec_fn would make it fork, which copies the
+        # node's page tables while holding the GIL (a loop's node: 20-100 ms per session
+        # start, every other thread of the process waiting).
+        deathsig = _pdeathsig()
+        kw = dict(cwd=self.root if self.image else self.workdir, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                  stderr=subprocess.STDOUT, start_new_session=True,
+                  preexec_fn=None if deathsig else die_with_parent)
+        argv = [*deathsig, *argv]
         if not self.bwrap:
             self._proc = subprocess.Popen(argv, **kw)
             return self._proc
@@ -462,6 +468,29 @@ class LocalRuntime:
 
 
 _DROP: tuple[str, ...] | None = None
+_DEATHSIG: tuple[str, ...] | None = None
+
+
+def _setpriv() -> str | None:
+    return shutil.which("setpriv") or next((p for p in ("/usr/bin/setpriv", "/bin/setpriv") if os.path.exists(p)),
+                                           None)
+
+
+def _pdeathsig() -> tuple[str, ...]:
+    """A prefix that makes the command SIGKILLed when the thread that started it dies
+    (PR_SET_PDEATHSIG, kept across exec); () where setpriv lacks --pdeathsig."""
+    global _DEATHSIG
+    if _DEATHSIG is None:
+        exe, argv = _setpriv(), ()
+        if exe:
+            argv = (exe, "--pdeathsig", "KILL", "--")
+            try:
+                if subprocess.run([*argv, "/bin/true"], capture_output=True, timeout=10).returncode != 0:
+                    argv = ()
+            except (OSError, subprocess.SubprocessError):
+                argv = ()
+        _DEATHSIG = argv
+    return _DEATHSIG
 
 
 def _drop_privileges() -> tuple[str, ...]:
@@ -473,8 +502,7 @@ def _drop_privileges() -> tuple[str, ...]:
     global _DROP
     if _DROP is not None:
         return _DROP
-    exe = shutil.which("setpriv") or next((p for p in ("/usr/bin/setpriv", "/bin/setpriv") if os.path.exists(p)),
-                                          None)
+    exe = _setpriv()
     if exe:
         argv: tuple[str, ...] = (exe, "--bounding-set", "-all", "--inh-caps", "-all", "--no-new-privs", "--")
         if os.geteuid() != 0:

@@ -59,6 +59,15 @@ if [ "${#missing[@]}" -gt 0 ]; then
     command -v "$tool" >/dev/null || echo "warning: $tool is not installed: $why (install the $tool package as root)" >&2
   done
 fi
+# The dashboard's browser tests drive the system Chromium through Playwright (no browser can
+# be downloaded here, so `playwright install` is never run). Same way: as root, best effort.
+if ! command -v chromium >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 || true
+  fi
+  command -v chromium >/dev/null \
+    || echo "warning: chromium is not installed: the dashboard's browser tests will fail (install the chromium package as root)" >&2
+fi
 # The demo's harness (polar-mitm demo runs Pi), from npm at its pinned version.
 if command -v npm >/dev/null; then
   .venv/bin/polar-mitm harness install pi >/dev/null || echo "warning: could not install the Pi harness from npm" >&2

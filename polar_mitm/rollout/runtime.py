@@ -481,7 +481,8 @@ def _pdeathsig() -> tuple[str, ...]:
     (PR_SET_PDEATHSIG, kept across exec); () where setpriv lacks --pdeathsig."""
     global _DEATHSIG
     if _DEATHSIG is None:
-        exe, argv = _setpriv(), ()
+        exe = _setpriv()
+        argv: tuple[str, ...] = ()
         if exe:
             argv = (exe, "--pdeathsig", "KILL", "--")
             try:

@@ -74,13 +74,70 @@ def sql(statement, db, fmt, timeout):
     _print_table(columns, rows, fmt)
 
 
-@main.command()
+@main.group(invoke_without_command=True)
 @click.option("--db", default="rollouts.duckdb", show_default=True)
 @click.option("--out", default="export", show_default=True, help="Folder for the Parquet files")
-def export(db, out):
-    """Export sessions and calls to Parquet."""
-    for path in export_parquet(db, out):
-        click.echo(path)
+@click.pass_context
+def export(ctx, db, out):
+    """Export sessions and calls to Parquet (`export --db FILE --out DIR`), or rollouts as
+    SFT data (`export sft ...`)."""
+    if ctx.invoked_subcommand is None:
+        for path in export_parquet(db, out):
+            click.echo(path)
+
+
+@export.command("sft")
+@click.option("--db", "dbs", multiple=True, required=True,
+              help="DuckDB file (repeat for one per gateway machine); each row names its file")
+@click.option("--min-reward", type=float, required=True,
+              help="Only sessions whose reward is at least this (rejection sampling: 1)")
+@click.option("--task", "task", default=None, metavar="GLOB",
+              help="Only tasks whose id matches this shell glob, whole (TASK@RUN.I) or without the "
+                   "loop's run suffix (TASK)")
+@click.option("--iteration", type=click.IntRange(min=0), default=None, metavar="N",
+              help="Only the sessions of the loop's iteration N: its tasks are TASK@RUN.N (the id the "
+                   "loop submitted them with, in every file, so node databases without the loop's tables "
+                   "select the same; a policy version is not an iteration once a sync failed or "
+                   "--max-staleness lets an older one sample)")
+@click.option("--main-chain", is_flag=True,
+              help="Only each session's main chain (its main loop: the chain with the most calls to its "
+                   "most used model), no sub-agents or side calls")
+@click.option("--held-out", "include_held_out", is_flag=True,
+              help="Also the loop's held-out copies (TASK@RUN.I.eval), left out by default")
+@click.option("--format", "fmt", type=click.Choice(["messages", "tokens"]), default="messages", show_default=True,
+              help="messages: OpenAI chat messages with tool calls and results, plus tools (TRL's "
+                   "conversational format); tokens: the exact prompt + sampled token ids with a "
+                   "completion mask")
+@click.option("--out", required=True, metavar="FILE.jsonl|FILE.parquet", help="Where to write (by its suffix)")
+@click.option("--timeout", default=30.0, show_default=True,
+              help="Seconds to wait while a proxy holds a database's write lock")
+def export_sft(dbs, min_reward, task, iteration, main_chain, include_held_out, fmt, out, timeout):
+    """Export rollouts as SFT data: one row per chain (a session's main conversation, or
+    each sub-agent's) of every rewarded session (its latest attempt) with reward >=
+    --min-reward. Rejection sampling: `rollout` the tasks with a strong model, then
+    `export sft --min-reward 1`. See docs/sft.md."""
+    import duckdb
+
+    from .store.sft import SUFFIXES, export_sft as run_export
+
+    if Path(out).suffix not in SUFFIXES:
+        raise click.BadParameter(f"{out}: give a file ending in .jsonl or .parquet", param_hint="--out")
+    for db in dbs:
+        if not Path(db).is_file():
+            raise click.BadParameter(f"no database at {db}", param_hint="--db")
+    try:
+        stats = run_export(dbs, out, min_reward=min_reward, fmt=fmt, task=task, iteration=iteration,
+                           main_chain=main_chain, include_held_out=include_held_out, timeout=timeout)
+    except (FileNotFoundError, ValueError, duckdb.Error) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"wrote {stats.rows} row{'s' if stats.rows != 1 else ''} ({fmt}) from {stats.sessions} "
+               f"session{'s' if stats.sessions != 1 else ''} to {out}")
+    skipped = sum(stats.skipped_sessions.values())
+    click.echo(f"skipped {skipped} session{'s' if skipped != 1 else ''}"
+               + (": " + ", ".join(f"{why} {n}" for why, n in sorted(stats.skipped_sessions.items()))
+                  if skipped else ""))
+    if stats.skipped_calls:
+        click.echo("calls in no row: " + ", ".join(f"{why} {n}" for why, n in sorted(stats.skipped_calls.items())))
 
 
 @main.command("options")
@@ -260,6 +317,60 @@ def demo(sdk, out, iterations, seed, db, backend, max_tokens, report_to):
     click.echo(f"\nrecorded in {db}:")
     _print_table(*query(db, SUMMARY_SQL), "table")
     _print_table(*query(db, "SELECT * FROM session_summary"), "table")
+
+
+# -- dashboard ---------------------------------------------------------------------------------------
+@main.command()
+@click.option("--db", "dbs", multiple=True, callback=lambda c, p, v: [db_file(c, p, x) for x in v],
+              help="A database file (repeat for several: a node's each); default: the run directory's")
+@click.option("--run", "run_dir", default=None, type=click.Path(file_okay=False),
+              help="A polar-train loop's run directory (--out): loop.json, checkpoints, its database")
+@click.option("--port", default=8765, show_default=True, type=PORT)
+@click.option("--host", default="127.0.0.1", show_default=True, help="The address to listen on")
+@click.option("--tokenizer", default=None, type=click.Path(exists=True),
+              help="A directory with tokenizer.json (or the file), for the sampled tokens' text; "
+                   "default: the run's latest checkpoint's, else token ids")
+def dashboard(dbs, run_dir, port, host, tokenizer):
+    """A local web app over the databases and a loop's run directory: runs, groups, sessions
+    (the conversation as the model saw it, its tokens by logprob), compare. Read-only: it reads
+    only when files change, as any reader does (docs/dashboard.md)."""
+    from .dashboard.app import close_streams, make_app
+    from .rollout.http_api import ThreadedUvicorn
+
+    dbs = list(dbs)
+    if run_dir is not None and not Path(run_dir).is_dir():
+        raise click.BadParameter(f"{run_dir} is not a directory", param_hint="--run")
+    if not dbs and run_dir is not None:
+        dbs = [str(p) for p in (Path(run_dir) / "rollouts.duckdb", Path(run_dir) / "loop.duckdb") if p.is_file()]
+        if not dbs:
+            raise click.UsageError(f"no rollouts.duckdb or loop.duckdb in {run_dir}: name the database with --db")
+    if not dbs:
+        raise click.UsageError("give a database (--db FILE, repeatable) or a loop's run directory (--run DIR)")
+    missing = [db for db in dbs if not Path(db).is_file()]
+    if missing:
+        raise click.BadParameter(f"no database at {', '.join(missing)}", param_hint="--db")
+    stop_on_sigterm()
+    app = make_app(dbs, run_dir, tokenizer)
+    try:
+        server = ThreadedUvicorn(app, host, port, name="dashboard")
+    except OSError as e:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    code = 0
+    try:
+        server.start()
+        shown = f"[{host}]" if ":" in host else host
+        click.echo(f"dashboard of {', '.join(dbs)}" + (f" and run {run_dir}" if run_dir else "")
+                   + f" at http://{shown}:{server.port}/  (Ctrl-C stops it)")
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt as e:
+        code = interrupted_exit_code(e)
+    finally:
+        close_streams(app)
+        server.stop()
+    sys.exit(code)
+
+
 register_rollout(main)
 
 if __name__ == "__main__":

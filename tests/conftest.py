@@ -112,13 +112,20 @@ def pytest_xdist_make_scheduler(config, log):
         return None     # another --dist asked for: xdist's own
     from xdist.scheduler import LoadScopeScheduling
 
+    ONE_WORKER_FILES = {"tests/test_dashboard_browser.py", "tests/test_dashboard_api.py", "tests/test_export_sft.py"}
+
     class VLLMGroupScheduling(LoadScopeScheduling):
         _vllm: set[str] | None = None
 
         def _split_scope(self, nodeid: str) -> str:
             if self._vllm is None:     # first called once every worker has collected
                 self._vllm = set().union(*(_vllm_tests(node.gateway.id) for node in self.nodes))
-            return VLLM_GROUP if nodeid in self._vllm else nodeid
+            if nodeid in self._vllm:
+                return VLLM_GROUP
+            # a file whose module-scoped fixture is a whole rollout (and a browser) runs on one
+            # worker, so that it is built once, not once per worker
+            file = nodeid.split("::", 1)[0]
+            return file if file in ONE_WORKER_FILES else nodeid
 
     return VLLMGroupScheduling(config, log)
 

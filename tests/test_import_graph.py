@@ -17,7 +17,7 @@ LAYERS = [
     {"polar_mitm.store"},
     {"polar_mitm.addons", "polar_mitm.rollout"},
     {"polar_mitm.launch", "polar_mitm.stack", "polar_mitm.loop", "polar_mitm.loop_options", "polar_mitm.rollout_cli",
-     "polar_mitm.train_cli", "polar_mitm.demo", "polar_mitm.cli", "polar_mitm.trackers"},
+     "polar_mitm.train_cli", "polar_mitm.demo", "polar_mitm.cli", "polar_mitm.trackers", "polar_mitm.dashboard"},
     {"polar_mitm.entry"},   # the `polar-mitm` command's start, above its CLI
 ]
 

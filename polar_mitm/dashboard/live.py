@@ -1,0 +1,130 @@
+"""Change detection for the dashboard: files only, never the database.
+
+One background task stats a few files about once a second and bumps a generation number
+when their fingerprint changes:
+
+- each database's journal log (`<db>.journal/`: the rollout server's segment files, names and
+  sizes; every state change of a task or session is a line appended there first),
+- its call log (`<db>.log/`: the proxy's segment files, where every call lands before the
+  loader puts it into DuckDB),
+- the database file itself (size, mtime; and its .wal), but only while no proxy's loader
+  holds it: every read of ours makes a running loader hand the file over and DuckDB
+  checkpoints when the loader lets go, which would count as a change and read again, forever.
+  While a loader runs, what it writes comes through the call log anyway,
+- the loop's run directory: loop.json, loop.png, the per-iteration folders and the newest
+  one's files, the checkpoints' names.
+
+A stat costs the proxy and the rollout server nothing: no lock, no read request, no hand-over
+of the database. Pages read the database only when the generation moved (app.py caches each
+answer per generation), so an idle dashboard never touches it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+from ..store import calllog, journal_log
+from ..store.db import loader_running
+
+POLL_S = 1.0
+
+
+def _listing(directory: Path) -> tuple:
+    """(name, size, mtime_ns) of each entry, sorted (nothing when it is not there)."""
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return ()
+    out = []
+    for e in entries:
+        try:
+            st = e.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue          # gone meanwhile (a folded segment)
+        out.append((e.name, st.st_size, st.st_mtime_ns))
+    return tuple(sorted(out))
+
+
+def _stat(path: Path) -> tuple | None:
+    try:
+        st = path.stat()
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return None
+    return (st.st_size, st.st_mtime_ns)
+
+
+def db_fingerprint(db: str | os.PathLike) -> tuple:
+    db = Path(db)
+    own = None if loader_running(db) else (_stat(db), _stat(Path(f"{db}.wal")))
+    return (str(db), _listing(journal_log.log_dir(db)), _listing(calllog.log_dir(db)), own)
+
+
+def run_fingerprint(run_dir: str | os.PathLike | None) -> tuple:
+    if run_dir is None:
+        return ()
+    run = Path(run_dir)
+    iterations = _listing(run / "iterations")
+    newest = _listing(run / "iterations" / iterations[-1][0]) if iterations else ()
+    return (_stat(run / "loop.json"), _stat(run / "loop.png"), iterations, newest,
+            tuple(n for n, _, _ in _listing(run / "checkpoints")))
+
+
+def fingerprint(dbs: Iterable[str | os.PathLike], run_dir: str | os.PathLike | None) -> tuple:
+    return (tuple(db_fingerprint(db) for db in dbs), run_fingerprint(run_dir))
+
+
+class Live:
+    """The generation: +1 whenever the files' fingerprint changes. poll() is the one check
+    (run() calls it every POLL_S in a background task); wait() is what an event stream
+    awaits."""
+
+    def __init__(self, dbs: list[str], run_dir: str | None, poll_s: float = POLL_S):
+        self.dbs, self.run_dir, self.poll_s = list(dbs), run_dir, poll_s
+        self.generation = 1
+        self._print: Any = fingerprint(self.dbs, self.run_dir)
+        self._changed: asyncio.Event | None = None
+        self.closed = False
+
+    def poll(self) -> bool:
+        """Look at the files once; True (and a new generation) when something changed."""
+        now = fingerprint(self.dbs, self.run_dir)
+        if now == self._print:
+            return False
+        self._print = now
+        self.generation += 1
+        return True
+
+    def _event(self) -> asyncio.Event:
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
+
+    def _notify(self) -> None:
+        old, self._changed = self._event(), asyncio.Event()
+        old.set()
+
+    async def run(self) -> None:
+        """Poll until closed (the app's lifespan runs it as a task)."""
+        while not self.closed:
+            await asyncio.sleep(self.poll_s)
+            if await asyncio.to_thread(self.poll):
+                self._notify()
+
+    async def wait(self, seen: int, timeout: float) -> int | None:
+        """The generation once it is past `seen` (None: timeout, or closed)."""
+        if self.generation != seen:
+            return self.generation
+        try:
+            await asyncio.wait_for(self._event().wait(), timeout)
+        except (asyncio.TimeoutError, TimeoutError):
+            return None
+        return None if self.closed else self.generation
+
+    def close(self) -> None:
+        """Stop polling and end every event stream."""
+        self.closed = True
+        if self._changed is not None:
+            self._changed.set()

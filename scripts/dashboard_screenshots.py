@@ -127,7 +127,7 @@ def versions_url(base: str, task: str) -> str | None:
 
 
 # What each page opens before its picture (details elements, closed by default).
-OPEN = {"group": "details.out", "session": 'details[data-key="tools"]'}
+OPEN = {"group": "table#samples tr[data-session]:first-child details.out", "session": 'details[data-key="tools"]'}
 
 
 def shoot(page, url: str, path: Path, open_: str | None = None) -> None:

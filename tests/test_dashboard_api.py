@@ -429,3 +429,24 @@ def test_several_files_each_row_says_which(stack, tmp_path):
         assert d["db"] == stack.db and all(s["db"] == stack.db for s in d["samples"])
         s = c.get(f"/api/sessions/{quote(TASK + '~0')}").json()
         assert s["db"] == stack.db and len(s["calls"]) == 2
+
+
+def test_an_older_loops_rows_get_their_standard_errors():
+    """A loop_iterations row from before reward_n, eval_reward_std and eval_reward_n (NULL):
+    n from per_task (else sessions_done), the held-out std and n from the server's sessions
+    of the iteration's held-out tasks when their mean is the row's; else unknown."""
+    from polar_mitm.store.dashboard import _iteration
+
+    row = {"run_id": "r", "iteration": 0, "reward_mean": 0.25, "reward_std": 0.25, "reward_n": None,
+           "eval_reward_mean": 0.125, "eval_reward_std": None, "eval_reward_n": None, "sessions_done": 16,
+           "per_task": json.dumps({"a": {"mean": 0.25, "std": 0.25, "n": 4}, "b": {"mean": 0.25, "std": 0.25, "n": 5}})}
+    it = _iteration(row, [0.5, 0.0, 0.0, 0.0])
+    assert (it["reward_n"], it["reward_n_from"]) == (9, "per_task") and abs(it["reward_se"] - 0.25 / math.sqrt(8)) < 1e-12
+    std = math.sqrt((0.375 ** 2 + 3 * 0.125 ** 2) / 4)
+    assert (it["eval_reward_n"], it["eval_reward_n_from"]) == (4, "sessions")
+    assert abs(it["eval_reward_se"] - std / math.sqrt(3)) < 1e-12
+    it = _iteration({**row, "per_task": None}, [1.0, 1.0])        # another mean: not these sessions
+    assert (it["reward_n"], it["reward_n_from"]) == (16, "sessions_done") and it["eval_reward_se"] is None
+    it = _iteration({**row, "reward_n": 3, "eval_reward_std": 0.2, "eval_reward_n": 5}, [0.0])   # as stored
+    assert "reward_n_from" not in it and abs(it["reward_se"] - 0.25 / math.sqrt(2)) < 1e-12
+    assert abs(it["eval_reward_se"] - 0.1) < 1e-12

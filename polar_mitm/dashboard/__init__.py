@@ -23,7 +23,11 @@ GET /api/runs
                                        sync_s, ..., per_task {TASK: {mean, std, n}}, finished_at ISO),
                                        plus "reward_se" and "eval_reward_se": std / sqrt(n - 1) of the
                                        stored population std (the sample std / sqrt(n), as the loop
-                                       prints it), null when unknown],
+                                       prints it), null when unknown; an older loop's row, without
+                                       reward_n / eval_reward_std / eval_reward_n, has them filled in
+                                       (n from per_task, else sessions_done; the held-out std and n
+                                       from the server's sessions of its held-out tasks), and
+                                       "reward_n_from" / "eval_reward_n_from" say so],
                         "versions": [policy_versions row: run_id, version, checkpoint, synced_at]}],
               "live": LIVE of this file}],
      "live": LIVE summed over the files (its "iterations" rows with "db"),
@@ -56,7 +60,8 @@ GET /api/groups/{task_id}
                   "events": [{"at" ISO, "session_id", "state", "node_id", "detail"}]}]}
 
 GET /api/sessions/{session_id}
-    {"generation", "session_id", "db", "dbs", "task_id", "base_task", "run_id", "iteration",
+    {"generation", "session_id", "db", "dbs" (the files that know it), "open_dbs" (how many the
+     dashboard reads), "task_id", "base_task", "run_id", "iteration",
      "held_out", "state", "reward", "reason", "attempt", "sample", "node_id", "stats",
      "reward_info", "instruction", "siblings": [session ids of its task],
      "turns": [{"role": "system"|"user"|"assistant"|"tool", "text", "reasoning"?,

@@ -224,7 +224,7 @@ def session(dbs: list[str], session_id: str, tokens: TokenText) -> dict[str, Any
             t["call_seq"] = seq
     rt = store.run_task(task_id) if task_id else None
     return {
-        "session_id": session_id, "db": db, "dbs": [d for d, _ in found], "task_id": task_id,
+        "session_id": session_id, "db": db, "dbs": [d for d, _ in found], "open_dbs": len(dbs), "task_id": task_id,
         "base_task": rt["base_task"] if rt else None, "run_id": rt["run_id"] if rt else None,
         "iteration": rt["iteration"] if rt else None, "held_out": rt["held_out"] if rt else False,
         "state": rollout["state"] if rollout else None,

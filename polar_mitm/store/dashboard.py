@@ -315,9 +315,10 @@ def runs(db: str | os.PathLike, timeout: float = 30.0) -> RunsData:
                 if "sessions" in tables else 0
         _overlay(tasks, sessions, _newer(segments, folded), None)
         by_run: dict[str, RunRows] = {}
+        held_out = _held_out_rewards(sessions)
         for r in its:
             run = by_run.setdefault(r["run_id"], RunRows(run_id=r["run_id"], iterations=[], versions=[]))
-            run["iterations"].append(_iteration(r))
+            run["iterations"].append(_iteration(r, held_out.get((r["run_id"], r["iteration"]))))
         for v in versions:
             run = by_run.setdefault(v["run_id"], RunRows(run_id=v["run_id"], iterations=[], versions=[]))
             run["versions"].append({k: _iso(x) if isinstance(x, _dt.datetime) else x for k, x in v.items()})
@@ -326,12 +327,41 @@ def runs(db: str | os.PathLike, timeout: float = 30.0) -> RunsData:
     return _retrying(read)
 
 
-def _iteration(r: dict[str, Any]) -> dict[str, Any]:
-    out = {k: _iso(v) if isinstance(v, _dt.datetime) else _finite(v) for k, v in r.items()}
+def _held_out_rewards(sessions: dict[str, SessionLite]) -> dict[tuple[str, int], list[float]]:
+    """The rewards of each loop iteration's held-out tasks (TASK@RUN.I.eval), each sample's
+    current attempt: what the loop's eval_reward_mean is the mean of."""
+    out: dict[tuple[str, int], list[float]] = {}
+    for s in latest_attempts(sessions.values()).values():
+        rt = run_task(s["task_id"])
+        if rt["held_out"] and rt["run_id"] is not None and rt["iteration"] is not None and s["reward"] is not None:
+            out.setdefault((rt["run_id"], rt["iteration"]), []).append(s["reward"])
+    return out
+
+
+def _iteration(r: dict[str, Any], held_out: list[float] | None = None) -> dict[str, Any]:
+    """A loop_iterations row for the page, with the standard errors of its rewards. Rows of an
+    older loop have no reward_n, eval_reward_std or eval_reward_n (NULL): n is then the sum of
+    per_task's n (what the loop counts), else sessions_done; the held-out std and n come from
+    the rollout server's sessions of the iteration's held-out tasks when their mean is the
+    row's (else the standard error stays unknown). "reward_n_from" and "eval_reward_n_from"
+    say where a filled-in n came from ("per_task", "sessions_done", "sessions")."""
+    out: dict[str, Any] = {k: _iso(v) if isinstance(v, _dt.datetime) else _finite(v) for k, v in r.items()}
     for k in ("per_task", "released_why"):
         out[k] = _json(out.get(k))
-    out["reward_se"] = standard_error(r.get("reward_std"), r.get("reward_n"))
-    out["eval_reward_se"] = standard_error(r.get("eval_reward_std"), r.get("eval_reward_n"))
+    if out.get("reward_n") is None and out.get("reward_mean") is not None:
+        per_task = out["per_task"] if isinstance(out.get("per_task"), dict) else {}
+        ns = [t.get("n") for t in per_task.values() if isinstance(t, dict)]
+        if ns and all(isinstance(n, int) for n in ns):
+            out["reward_n"], out["reward_n_from"] = sum(ns), "per_task"
+        elif isinstance(out.get("sessions_done"), int):
+            out["reward_n"], out["reward_n_from"] = out["sessions_done"], "sessions_done"
+    if out.get("eval_reward_std") is None and out.get("eval_reward_mean") is not None and held_out:
+        mean = sum(held_out) / len(held_out)
+        if abs(mean - out["eval_reward_mean"]) < 1e-9:
+            out["eval_reward_std"] = math.sqrt(sum((x - mean) ** 2 for x in held_out) / len(held_out))
+            out["eval_reward_n"], out["eval_reward_n_from"] = len(held_out), "sessions"
+    out["reward_se"] = standard_error(out.get("reward_std"), out.get("reward_n"))
+    out["eval_reward_se"] = standard_error(out.get("eval_reward_std"), out.get("eval_reward_n"))
     return out
 
 

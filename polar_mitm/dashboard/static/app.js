@@ -61,11 +61,41 @@
   }
   function stateChip(state) { return state ? h('span', { class: 'st st-' + state }, state) : h('span', { class: 'muted' }, '–'); }
   function shortDb(db, all) { return (all || []).length > 1 ? db.split('/').pop() : ''; }
+  function baseName(path) { return String(path || '').split('/').pop(); }
+  // a mean ± its standard error where one is wanted: "–" for an unknown se (one sample, or
+  // an older loop's row that lacks what it takes)
+  function pmSe(mean, se) { return isNum(mean) ? num(mean) + ' ± ' + (isNum(se) ? num(se) : '–') : '–'; }
+  // text cut at a word boundary near `max` characters, with "…" (null when it fits)
+  function cut(text, max) {
+    const t = String(text || '');
+    if (t.length <= max) return null;
+    let end = t.lastIndexOf(' ', max);
+    if (end < max * 0.6) end = max;
+    return t.slice(0, end).replace(/[\s,;:.\-–—(]+$/, '') + '…';
+  }
+  // one line of a text: its whitespace collapsed
+  const oneLine = (t) => String(t || '').replace(/\s+/g, ' ').trim();
   function tokensOf(calls) { return int((calls.prompt_tokens || 0)) + ' / ' + int(calls.completion_tokens || 0); }
   function details(summary, body, a) { return h('details', a || null, h('summary', null, summary), body); }
-  function outBlock(cls, label, text, key) {
-    return details(label + (text ? ' (' + text.length + ' chars)' : ': none'),
-      h('pre', null, text || ''), { class: 'out ' + cls, 'data-key': cls + ':' + key });
+  // An output in a table row: none; a short one-line output inline; else folded, its summary
+  // a one-line preview (the harness's from its start: the model's answer; the evaluator's
+  // from its end: the score) and its size.
+  const SHORT_OUTPUT = 80;
+  function outBlock(cls, label, text, key, fromEnd) {
+    const t = (text || '').replace(/\s+$/, '');
+    if (!t.trim()) {
+      return h('div', { class: 'out inline ' + cls }, h('span', { class: 'out-label' }, label), ' ',
+        h('span', { class: 'muted' }, text === null || text === undefined ? 'none recorded' : '(empty)'));
+    }
+    if (t.length <= SHORT_OUTPUT && !t.includes('\n')) {
+      return h('div', { class: 'out inline ' + cls }, h('span', { class: 'out-label' }, label), ' ', h('pre', null, t.trim()));
+    }
+    const lines = t.split('\n').filter((x) => x.trim());
+    const preview = oneLine(fromEnd ? lines[lines.length - 1] : t);
+    return details([h('span', { class: 'out-label' }, label),
+      h('span', { class: 'muted size' }, ' (' + (lines.length > 1 ? lines.length + ' lines' : t.length + ' chars') + ') '),
+      h('span', { class: 'preview', title: preview }, preview)],
+    h('pre', null, t), { class: 'out ' + cls, 'data-key': cls + ':' + key });
   }
 
   // -- fetching -----------------------------------------------------------------------------------
@@ -106,8 +136,18 @@
         out.push(h('h2', null, 'Reward per task'));
         out.push(perTaskTable(rows, [...tasks].sort()));
       }
+      // each run's versions from the one its first iteration sampled at (the base weights,
+      // never synced: v0) on
       const pvs = [];
-      for (const f of d.dbs) for (const run of f.runs) for (const v of run.versions) pvs.push(v);
+      for (const f of d.dbs) {
+        for (const run of f.runs) {
+          const first = run.iterations.length ? run.iterations[0].policy_version : null;
+          if (isNum(first) && !run.versions.some((v) => v.version <= first)) {
+            pvs.push({ run_id: run.run_id, version: first, checkpoint: null, synced_at: null, base: true });
+          }
+          for (const v of run.versions) pvs.push(v);
+        }
+      }
       if (pvs.length) {
         out.push(h('h2', null, 'Policy versions'));
         out.push(h('table', { id: 'versions' },
@@ -115,10 +155,13 @@
             h('th', null, 'checkpoint'), h('th', null, 'synced'))),
           h('tbody', null, pvs.map((v) => h('tr', { 'data-version': v.version },
             h('td', { class: 'mono' }, v.run_id), h('td', { class: 'num' }, 'v' + v.version),
-            h('td', { class: 'mono' }, v.checkpoint || ''), h('td', null, (v.synced_at || '').replace('T', ' ').slice(0, 19)))))));
+            v.base ? h('td', { class: 'muted' }, 'the base weights (the run started from them)')
+              : h('td', { class: 'mono' }, v.checkpoint || ''),
+            h('td', null, (v.synced_at || '').replace('T', ' ').slice(0, 19)))))));
       }
-      out.push(h('p', { class: 'muted' }, d.dbs.map((f) =>
-        h('span', null, f.db + ': ' + int(f.calls) + ' calls, ' + int(f.sessions) + ' sessions. '))));
+      out.push(h('p', { class: 'muted dbs' }, d.dbs.map((f) =>
+        h('span', null, h('span', { class: 'mono', title: f.db }, baseName(f.db)), ': ' + int(f.calls) + ' calls, '
+          + int(f.sessions) + ' sessions. '))));
       return out;
     },
   };
@@ -193,9 +236,9 @@
           multi ? h('td', { class: 'mono' }, it.run_id + (allDbs.length > 1 ? ' (' + shortDb(db, allDbs) + ')' : '')) : null,
           h('td', { class: 'num' }, it.iteration),
           h('td', { class: 'num' }, 'v' + it.policy_version),
-          h('td', { class: 'num reward' }, pm(it.reward_mean, it.reward_se),
+          h('td', { class: 'num reward', title: nFrom(it.reward_n_from) }, pmSe(it.reward_mean, it.reward_se),
             isNum(it.reward_n) ? h('span', { class: 'muted' }, ' n=' + it.reward_n) : null),
-          h('td', { class: 'num held-out' }, pm(it.eval_reward_mean, it.eval_reward_se),
+          h('td', { class: 'num held-out', title: nFrom(it.eval_reward_n_from) }, pmSe(it.eval_reward_mean, it.eval_reward_se),
             isNum(it.eval_reward_n) ? h('span', { class: 'muted' }, ' n=' + it.eval_reward_n) : null),
           h('td', { class: 'sessions' }, stateChips(sess, SESSION_STATES, 'data-session-state')),
           h('td', { class: 'num stale' }, int(it.stale_dropped)),
@@ -208,9 +251,18 @@
         'No loop iterations in these files (a rollout without polar-train loop, or its first iteration is still running).'))));
   }
 
+  function nFrom(from) {
+    return { per_task: 'n: the rewarded sessions per task (this row predates reward_n)',
+      sessions_done: 'n: the sessions done (this row predates reward_n)',
+      sessions: 'std and n: the held-out sessions of this iteration (this row predates eval_reward_std)' }[from] || null;
+  }
+
   function perTaskTable(rows, tasks) {
     return h('table', { id: 'per-task' },
-      h('thead', null, h('tr', null, h('th', null, 'task'), rows.map(({ it }) => h('th', { class: 'num' }, String(it.iteration))))),
+      h('thead', null,
+        h('tr', null, h('th', { rowspan: 2 }, 'task'), h('th', { class: 'group-head', colspan: rows.length }, 'iteration')),
+        h('tr', null, rows.map(({ it }) => h('th', { class: 'num', title: 'iteration ' + it.iteration + ' (policy v' + it.policy_version + ')' },
+          String(it.iteration))))),
       h('tbody', null, tasks.map((t) => h('tr', { 'data-task': t }, h('td', { class: 'mono' }, t),
         rows.map(({ it }) => {
           const x = (it.per_task || {})[t];
@@ -219,7 +271,7 @@
   }
 
   function rewardChart(its) {
-    const W = 640, H = 230, L = 44, R = 130, T = 12, B = 32;
+    const W = 660, H = 230, L = 44, R = 140, T = 12, B = 32;
     const svg = s('svg', { id: 'reward-chart', class: 'chart', width: W, height: H, viewBox: `0 0 ${W} ${H}`,
       role: 'img', 'aria-label': 'reward per iteration' });
     if (!its.length) {
@@ -234,7 +286,8 @@
     const x0 = Math.min(...xs), x1 = Math.max(...xs);
     let y0 = 0, y1 = 1;
     for (const sr of series) for (const [, m, se] of sr.pts) { y0 = Math.min(y0, m - (se || 0)); y1 = Math.max(y1, m + (se || 0)); }
-    const X = (x) => L + (x1 === x0 ? (W - L - R) / 2 : (x - x0) / (x1 - x0) * (W - L - R));
+    const P = 12;    // the first and last points clear of the axes (their error bars too)
+    const X = (x) => L + P + (x1 === x0 ? (W - L - R - 2 * P) / 2 : (x - x0) / (x1 - x0) * (W - L - R - 2 * P));
     const Y = (y) => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
     const ticks = 5;
     for (let k = 0; k <= ticks; k++) {
@@ -247,13 +300,15 @@
     const step = Math.max(1, Math.ceil((x1 - x0 + 1) / 12));
     for (let x = x0; x <= x1; x += step) svg.appendChild(s('text', { x: X(x), y: H - B + 14, 'text-anchor': 'middle' }, String(x)));
     svg.appendChild(s('text', { x: (L + W - R) / 2, y: H - 4, 'text-anchor': 'middle' }, 'iteration'));
+    let bars = 0;
     series.forEach((sr, n) => {
       if (!sr.pts.length) return;
       const g = s('g', { 'data-series': sr.key });
       g.appendChild(s('polyline', { fill: 'none', stroke: sr.color, 'stroke-width': 1.6, 'stroke-dasharray': sr.dash || null,
         points: sr.pts.map(([x, m]) => X(x) + ',' + Y(m)).join(' ') }));
       for (const [x, m, se] of sr.pts) {
-        if (isNum(se) && se > 0) {
+        if (isNum(se)) {
+          bars += 1;
           g.appendChild(s('line', { stroke: sr.color, x1: X(x), x2: X(x), y1: Y(m - se), y2: Y(m + se) }));
           g.appendChild(s('line', { stroke: sr.color, x1: X(x) - 3, x2: X(x) + 3, y1: Y(m - se), y2: Y(m - se) }));
           g.appendChild(s('line', { stroke: sr.color, x1: X(x) - 3, x2: X(x) + 3, y1: Y(m + se), y2: Y(m + se) }));
@@ -268,7 +323,14 @@
         'stroke-width': 2, 'stroke-dasharray': sr.dash || null }));
       svg.appendChild(s('text', { x: W - R + 36, y: T + 14 + n * 16 }, sr.label));
     });
-    svg.appendChild(s('text', { x: W - R + 12, y: T + 50 }, '± standard error'));
+    if (bars) {
+      // the legend's error bar: drawn as the points' are
+      const lx = W - R + 22, ly = T + 46;
+      svg.appendChild(s('line', { stroke: '#555', x1: lx, x2: lx, y1: ly - 6, y2: ly + 6 }));
+      svg.appendChild(s('line', { stroke: '#555', x1: lx - 3, x2: lx + 3, y1: ly - 6, y2: ly - 6 }));
+      svg.appendChild(s('line', { stroke: '#555', x1: lx - 3, x2: lx + 3, y1: ly + 6, y2: ly + 6 }));
+      svg.appendChild(s('text', { x: W - R + 36, y: ly + 4 }, '± standard error'));
+    }
     return svg;
   }
 
@@ -301,8 +363,8 @@
             'sessions', 'rewarded', 'reward ± se', 'std', 'min – max', 'calls', 'tokens (prompt / sampled)', 'policy',
             allDbs.length > 1 ? 'db' : null].filter((x) => x !== null).map((x) => h('th', null, x)))),
           h('tbody', null, rows.map((g) => h('tr', { 'data-task': g.task_id, 'data-db': g.db },
-            h('td', { class: 'mono' }, h('a', { href: groupHref(g.task_id) }, g.task_id)),
-            h('td', { class: 'mono' }, g.base_task !== g.task_id ? h('a', { href: '/compare?task=' + enc(g.base_task), title: 'this task across policy versions' }, g.base_task) : ''),
+            h('td', { class: 'mono id' }, h('a', { href: groupHref(g.task_id) }, g.task_id)),
+            h('td', { class: 'mono id' }, g.base_task !== g.task_id ? h('a', { href: '/compare?task=' + enc(g.base_task), title: 'this task across policy versions' }, g.base_task) : ''),
             h('td', { class: 'mono' }, g.run_id || ''),
             h('td', { class: 'num' }, g.iteration === null ? '' : g.iteration),
             h('td', null, g.run_id ? (g.held_out ? 'held-out' : 'train') : ''),
@@ -350,11 +412,11 @@
         h('h2', null, 'Samples'),
         h('table', { id: 'samples' },
           h('thead', null, h('tr', null, ['session', 'sample', 'attempt', 'state', 'reward', 'reason', 'calls',
-            'tokens (prompt / sampled)', 'policy', 'attempt history', 'outputs', ''].map((x) => h('th', null, x)))),
+            ['tokens', h('div', { class: 'sub' }, 'prompt / sampled')], 'policy', 'history', 'outputs', ''].map((x) => h('th', null, x)))),
           h('tbody', null, d.samples.map((x) => {
             const others = current.filter((y) => y.session_id !== x.session_id);
             return h('tr', { 'data-session': x.session_id, 'data-db': x.db, class: x.current ? null : 'superseded' },
-              h('td', { class: 'mono' }, h('a', { href: sessionHref(x.session_id) }, x.session_id)),
+              h('td', { class: 'mono id' }, h('a', { href: sessionHref(x.session_id) }, x.session_id)),
               h('td', { class: 'num' }, x.sample === null ? '' : x.sample),
               h('td', { class: 'num' }, x.attempt),
               h('td', null, stateChip(x.state)),
@@ -363,12 +425,12 @@
               h('td', { class: 'num' }, int(x.calls.calls) + (x.calls.failed_calls ? ' (' + x.calls.failed_calls + ' failed)' : '')),
               h('td', { class: 'num' }, tokensOf(x.calls)),
               h('td', null, versions(x.calls.versions)),
-              h('td', null, x.events.length ? details(x.events.length + ' events',
+              h('td', { class: 'history' }, x.events.length ? details(x.events.length + ' events',
                 h('ol', { class: 'events' }, x.events.map((e) => h('li', null, clock(e.at) + ' ', stateChip(e.state),
                   e.node_id ? h('span', { class: 'muted' }, ' ' + e.node_id) : null, e.detail ? ' ' + e.detail : null))),
               { 'data-key': 'ev:' + x.session_id }) : ''),
-              h('td', null, outBlock('eval-output', 'evaluator', x.eval_output, x.session_id),
-                outBlock('harness-output', 'harness', x.harness_output, x.session_id)),
+              h('td', { class: 'outputs-cell' }, outBlock('harness-output', 'harness', x.harness_output, x.session_id),
+                outBlock('eval-output', 'evaluator', x.eval_output, x.session_id, true)),
               h('td', null, others.length ? h('a', { href: '/compare?a=' + enc(x.session_id) + '&b=' + enc(others[0].session_id) }, 'compare') : ''));
           }))),
         d.events.length ? details('task events (' + d.events.length + ')', h('ol', null, d.events.map((e) =>
@@ -437,10 +499,20 @@
     return h('li', { class: 'turn' + (t.is_error ? ' is-error' : ''), 'data-role': role }, kids);
   }
 
+  function toolDescription(text) {
+    const short = cut(text, 170);
+    if (short === null) return h('span', { class: 'muted description' }, text);
+    const span = h('span', { class: 'muted description', title: text }, short, ' ');
+    span.appendChild(h('button', { type: 'button', class: 'link more', onclick: () => span.replaceChildren(text) }, 'more'));
+    return span;
+  }
+
   function sessionView(d, ids) {
     const id = (x) => (ids ? x : null);
     const drift = d.drift || [];
     const siblings = d.siblings || [];
+    const models = [...new Set(d.calls.map((c) => c.served_model && c.served_model !== c.requested_model
+      ? (c.requested_model || '') + ' → ' + c.served_model : c.requested_model || c.served_model).filter(Boolean))];
     const out = [];
     out.push(h('div', { class: 'muted' }, h('a', { href: '/groups' }, 'groups'),
       d.task_id ? [' › ', h('a', { href: groupHref(d.task_id) }, d.task_id)] : null));
@@ -452,7 +524,8 @@
       d.attempt ? h('span', null, h('b', null, 'attempt '), String(d.attempt)) : null,
       d.node_id ? h('span', null, h('b', null, 'node '), d.node_id) : null,
       h('span', null, h('b', null, 'calls '), String(d.calls.length)),
-      d.dbs.length ? h('span', { class: 'mono muted' }, d.db) : null));
+      !ids && models.length ? h('span', { class: 'model', title: models.join(', ') }, h('b', null, 'model '), models.join(', ')) : null,
+      (d.open_dbs || d.dbs.length) > 1 ? h('span', { class: 'mono muted', title: d.db }, baseName(d.db)) : null));
     if (ids && (siblings.length || d.base_task)) {
       out.push(h('div', { class: 'meta' }, siblings.length ? [h('b', null, 'compare with '),
         siblings.slice(0, 16).map((sib) => h('a', { class: 'pill', href: '/compare?a=' + enc(d.session_id) + '&b=' + enc(sib) }, sib))] : null,
@@ -466,7 +539,7 @@
     out.push(h('ol', { id: id('turns'), class: 'turns' }, d.turns.map((t) => turnView(t, ids))));
     if (d.tools.length) {
       out.push(details('tools offered (' + d.tools.length + ')', h('ul', { class: 'tools' }, d.tools.map((t) =>
-        h('li', { 'data-tool-def': t.name }, h('code', null, t.name), ' ', h('span', { class: 'muted' }, t.description.slice(0, 200)),
+        h('li', { 'data-tool-def': t.name }, h('code', null, t.name), ' ', toolDescription(t.description || ''),
           details('parameters', h('pre', null, JSON.stringify(t.parameters, null, 1)), { 'data-key': 'tp:' + t.name })))),
       { 'data-key': 'tools' }));
     }
@@ -476,29 +549,59 @@
         [-8, -4, -2, -1, -0.5, -0.1, 0].map((lp) => h('span', { class: 'tok', style: { background: lpColor(lp) } }, String(lp))),
         drift.length ? h('span', { class: 'tok drift' }, 're-rendered (drift)') : null));
     let budget = 20000;        // token spans drawn at once; later calls draw theirs on request
-    out.push(h('table', { id: id('calls'), class: 'calls' },
-      h('thead', null, h('tr', null, ['call', 'model', 'policy', 'latency (backend, queue)', 'finish', 'prompt',
-        'sampled', 'error', 'drift', 'sampled tokens'].map((x) => h('th', null, x)))),
-      h('tbody', null, d.calls.map((c) => {
-        const from = drift.filter((x) => x.call_seq === c.seq).map((x) => [x.at, x.tokens]);
-        const notes = c.drift.map((x) => h('div', { class: 'drift', 'data-drift-call': x.call_seq, 'data-drift-later': x.later_seq },
+    const callParts = (c) => {
+      const from = drift.filter((x) => x.call_seq === c.seq).map((x) => [x.at, x.tokens]);
+      return {
+        policy: h('td', { class: 'num policy' }, c.policy_version === null ? h('span', { class: 'warn', title: 'unknown: never trained' }, '?') : 'v' + c.policy_version),
+        latency: h('td', { class: 'num latency' }, ms(c.latency.total_ms), h('div', { class: 'muted' }, ms(c.latency.backend_ms) + (isNum(c.latency.queue_ms) ? ', ' + ms(c.latency.queue_ms) : ''))),
+        error: c.error ? h('span', { class: 'bad', title: c.error }, (c.error_kind || 'error') + ': ' + c.error.slice(0, 160)) : null,
+        notes: c.drift.map((x) => h('div', { class: 'drift', 'data-drift-call': x.call_seq, 'data-drift-later': x.later_seq },
           x.later_seq === c.seq ? 'prompt re-renders call ' + x.call_seq + ' from token ' + x.at
-            : 're-rendered by call ' + x.later_seq + ' from token ' + x.at, ' (' + x.tokens + ' tokens)'));
-        return h('tr', { 'data-call': c.seq, id: ids ? 'call-' + c.seq : null },
-          h('td', { class: 'num' }, String(c.seq)),
-          h('td', { class: 'mono' }, c.requested_model || '', c.served_model && c.served_model !== c.requested_model ? h('div', { class: 'muted' }, '→ ' + c.served_model) : null),
-          h('td', { class: 'num policy' }, c.policy_version === null ? h('span', { class: 'warn', title: 'unknown: never trained' }, '?') : 'v' + c.policy_version),
-          h('td', { class: 'num latency' }, ms(c.latency.total_ms), h('div', { class: 'muted' }, ms(c.latency.backend_ms) + (isNum(c.latency.queue_ms) ? ', ' + ms(c.latency.queue_ms) : ''))),
-          h('td', { class: 'finish' }, c.finish_reason || ''),
-          h('td', { class: 'num' }, int(c.prompt_len)),
-          h('td', { class: 'num' }, int(c.completion_tokens), c.logprobs_aligned ? null : h('div', { class: 'warn' }, 'logprobs misaligned')),
-          h('td', null, c.error ? h('span', { class: 'bad', title: c.error }, (c.error_kind || 'error') + ': ' + c.error.slice(0, 160)) : ''),
-          h('td', null, notes),
-          h('td', { class: 'sampled-tokens' }, !c.tokens.length ? h('span', { class: 'muted' }, 'none')
-            : (budget -= c.tokens.length) >= 0 ? tokenSpans(c, from)
-              : h('button', { type: 'button', class: 'show-tokens', onclick: (ev) => ev.target.replaceWith(tokenSpans(c, from)) },
-                'show its ' + c.tokens.length + ' sampled tokens')));
-      }))));
+            : 're-rendered by call ' + x.later_seq + ' from token ' + x.at, ' (' + x.tokens + ' tokens)')),
+        tokens: !c.tokens.length ? h('span', { class: 'muted' }, 'no sampled tokens')
+          : (budget -= c.tokens.length) >= 0 ? tokenSpans(c, from)
+            : h('button', { type: 'button', class: 'show-tokens', onclick: (ev) => ev.target.replaceWith(tokenSpans(c, from)) },
+              'show its ' + c.tokens.length + ' sampled tokens'),
+      };
+    };
+    const modelOf = (c) => (c.requested_model || '') + (c.served_model && c.served_model !== c.requested_model ? ' → ' + c.served_model : '');
+    if (ids) {
+      out.push(h('table', { id: 'calls', class: 'calls' },
+        h('thead', null, h('tr', null, ['call', 'model', 'policy', 'latency (backend, queue)', 'finish', 'prompt',
+          'sampled', 'error', 'drift', 'sampled tokens'].map((x) => h('th', null, x)))),
+        h('tbody', null, d.calls.map((c) => {
+          const p = callParts(c);
+          return h('tr', { 'data-call': c.seq, id: 'call-' + c.seq },
+            h('td', { class: 'num' }, String(c.seq)),
+            h('td', { class: 'mono model', title: modelOf(c) }, c.requested_model || '',
+              c.served_model && c.served_model !== c.requested_model ? h('div', { class: 'muted' }, '→ ' + c.served_model) : null),
+            p.policy, p.latency,
+            h('td', { class: 'finish' }, c.finish_reason || ''),
+            h('td', { class: 'num' }, int(c.prompt_len)),
+            h('td', { class: 'num' }, int(c.completion_tokens), c.logprobs_aligned ? null : h('div', { class: 'warn' }, 'logprobs misaligned')),
+            h('td', null, p.error || ''),
+            h('td', null, p.notes),
+            h('td', { class: 'sampled-tokens' }, p.tokens));
+        }))));
+    } else {
+      // a compare column: each call's figures on one line, its sampled tokens under it, the
+      // column's whole width (the model is in the header above)
+      out.push(h('table', { class: 'calls compact' },
+        h('thead', null, h('tr', null, h('th', { class: 'num' }, 'call'), h('th', { class: 'num' }, 'policy'),
+          h('th', { class: 'num' }, 'latency (backend, queue)'), h('th', null, 'finish'), h('th', { class: 'num' }, 'prompt'),
+          h('th', { class: 'num' }, 'sampled'))),
+        d.calls.map((c) => {
+          const p = callParts(c);
+          return h('tbody', { 'data-call-group': c.seq },
+            h('tr', { 'data-call': c.seq },
+              h('td', { class: 'num' }, String(c.seq)), p.policy, p.latency,
+              h('td', { class: 'finish' }, c.finish_reason || ''),
+              h('td', { class: 'num' }, int(c.prompt_len)),
+              h('td', { class: 'num' }, int(c.completion_tokens), c.logprobs_aligned ? null : h('div', { class: 'warn' }, 'logprobs misaligned'))),
+            h('tr', { class: 'call-tokens', 'data-call-tokens': c.seq },
+              h('td', { colspan: 6, class: 'sampled-tokens' }, p.error ? h('div', null, p.error) : null, p.notes, p.tokens)));
+        })));
+    }
     if (drift.length) {
       out.push(h('h2', null, 'Drift'), drift.map((x) => h('div', { class: 'drift' },
         'Call ' + x.later_seq + '\'s prompt re-renders call ' + x.call_seq + '\'s sampled tokens differently from token '
@@ -531,10 +634,23 @@
           const va = pick(compareState.va ?? p.get('va')) || vs[0];
           const vb = pick(compareState.vb ?? p.get('vb')) || vs[vs.length - 1];
           compareState.va = va.policy_version; compareState.vb = vb.policy_version;
-          const firstOf = (v) => (v.sessions.find((x) => x.current) || v.sessions[0] || {}).session_id || null;
+          // each side's default: its version's best-rewarded session (ties: the fewest calls,
+          // then the first); a superseded attempt only when nothing else is there
+          const firstOf = (v, except) => {
+            let best = null;
+            const key = (x) => [x.current ? 1 : 0, isNum(x.reward) ? 1 : 0, isNum(x.reward) ? x.reward : 0, -((x.calls || {}).calls || 0)];
+            for (const x of v.sessions) {
+              if (x.session_id === except) continue;
+              if (best === null) { best = x; continue; }
+              const kx = key(x), kb = key(best);
+              const i = kx.findIndex((y, j) => y !== kb[j]);
+              if (i >= 0 && kx[i] > kb[i]) best = x;
+            }
+            return best ? best.session_id : null;
+          };
           a = compareState.a && va.sessions.some((x) => x.session_id === compareState.a) ? compareState.a : (a && va.sessions.some((x) => x.session_id === a) ? a : firstOf(va));
           b = compareState.b && vb.sessions.some((x) => x.session_id === compareState.b) ? compareState.b : (b && vb.sessions.some((x) => x.session_id === b) ? b : firstOf(vb));
-          if (va === vb && a === b) b = (vb.sessions.find((x) => x.session_id !== a) || {}).session_id || b;
+          if (va === vb && a === b) b = firstOf(vb, a) || b;
           compareState.a = a; compareState.b = b;
         }
       }

@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -183,6 +184,18 @@ def page_loads(url: str, paths: dict[str, str], repeats: int = 5) -> dict[str, l
     return out
 
 
+def _in_thread(fn, *args):
+    """fn(*args) in a thread of its own: Playwright's sync API keeps an event loop running in
+    this one, and the load's clients run one with asyncio.run."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(fn(*args)))
+    t.start()
+    t.join()
+    if not out:
+        raise SystemExit("the rollout window's clients failed (see above)")
+    return out[0]
+
+
 def rollout_windows(db: Path, work: Path, dashboard_url_for, rounds: int, sessions: int) -> dict[str, list[float]]:
     """calls/s of new sessions through a proxy on the big database: A (no dashboard) and B
     (the dashboard, with the live Runs page and a live group page open in a browser)."""
@@ -215,7 +228,7 @@ def rollout_windows(db: Path, work: Path, dashboard_url_for, rounds: int, sessio
                         batch = workload.make_sessions(sessions, prefix=f"live{r}{arm}@{RUN}.{10_000 + n}",
                                                        turns=TURNS, first_seed=900_000 + n * sessions)
                         n += 1
-                        records = bg.run_load(rp, batch, 64)
+                        records = _in_thread(bg.run_load, rp, batch, 64)
                         summary = bg.summarize([records])
                         if summary["errors"]:
                             raise SystemExit(f"rollout window failed: {summary['first_errors']}")

@@ -289,7 +289,7 @@ def test_answers_are_read_once_per_generation_and_no_connection_outlives_a_reque
 def test_the_generation_moves_with_the_journal_and_the_call_log_never_the_database(tmp_path):
     db = tmp_path / "other.duckdb"
     init_db(db)
-    live = Live([str(db)], None)
+    live = Live([str(db)], None, calls_every_s=0)
     assert not live.poll()
     log = JournalLog(db, 0)
     log.append({"tasks": [], "sessions": [], "events": [{"at_us": 1, "task_id": "t", "session_id": None,
@@ -301,8 +301,31 @@ def test_the_generation_moves_with_the_journal_and_the_call_log_never_the_databa
     log.close()
 
 
+def test_a_call_log_change_alone_moves_the_generation_at_most_once_per_calls_every_s(tmp_path):
+    """A rollout's calls change the call log every moment: alone, they move the generation (and
+    so the open pages' reads, and the loader's hand-overs) once per calls_every_s; a state
+    change (the journal) counts at once."""
+    db = tmp_path / "calls.duckdb"
+    init_db(db)
+    live = Live([str(db)], None, calls_every_s=0.5)
+    live._moved -= 1.0                                   # the last move was a while ago
+    appender = LogAppender(log_dir(db))
+    assert live.poll() and live.generation == 2         # the first change counts at once
+    appender.close()
+    second = LogAppender(log_dir(db))
+    assert not live.poll()                              # another one within 0.5 s waits
+    time.sleep(0.6)
+    assert live.poll() and live.generation == 3 and not live.poll()   # and then counts
+    log = JournalLog(db, 0)
+    log.append({"tasks": [], "sessions": [], "events": [{"at_us": 1, "task_id": "t", "session_id": None,
+                                                           "state": "queued", "node_id": None, "detail": None}]})
+    assert live.poll() and live.generation == 4         # a state change at once
+    second.close()
+    log.close()
+
+
 def test_the_event_stream_announces_changes_while_a_rollout_runs(stack):
-    app = make_app([stack.db], poll_s=0.2)
+    app = make_app([stack.db], poll_s=0.2, calls_every_s=0.5)
     server = ThreadedUvicorn(app, "127.0.0.1", 0, name="dashboard-test")
     server.start()
     events: list[tuple[str, int]] = []

@@ -100,7 +100,7 @@ journal log and call log directories (names, sizes), the database file while no 
 holds it, the run directory's loop.json, loop.png, iteration folders and checkpoints. A change
 bumps the generation and is pushed on /api/stream; pages then fetch again. Answers are cached
 per (endpoint, arguments, generation), and while changes keep coming each is read again at
-most once per 2 s (the last answer is served meanwhile with its older generation, and the page
+most once per 5 s (the last answer is served meanwhile with its older generation, and the page
 asks again): the database is read only when something changed, once for any number of
 browsers, never on a timer, one connection at a time, none held between requests.
 """

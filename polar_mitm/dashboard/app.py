@@ -3,7 +3,7 @@ vanilla JS served for every route, the JSON API under /api/ and the live event s
 
 Reads are cached per (endpoint, arguments) and generation (live.py): any number of browsers
 cost one database read per change, and while changes keep coming an answer is read again at
-most once per MIN_REFRESH_S, and no more often than ten times the time its last read took
+most once per MIN_REFRESH_S, and no more often than 20 times the time its last read took
 (until then the last one is served, with the generation it was read at, and the page asks
 again): a page open beside a rollout takes a bounded share of the machine. Reads take turns
 (one connection at a time, on one DuckDB thread, opened and closed within the request: none
@@ -29,12 +29,12 @@ from fastapi.responses import Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
 from . import data
-from .live import POLL_S, Live
+from .live import CALLS_EVERY_S, POLL_S, Live
 from .tokens import TokenText, find_tokenizer
 
 STATIC = Path(__file__).parent / "static"
-MIN_REFRESH_S = 2.0       # an answer is read again at most this often while changes keep coming,
-READ_SHARE = 0.1          # and no more often than its last read took / READ_SHARE (10x its time)
+MIN_REFRESH_S = 5.0       # an answer is read again at most this often while changes keep coming,
+READ_SHARE = 0.05         # and no more often than its last read took / READ_SHARE (20x its time)
 CACHE_ENTRIES = 256
 STREAM_PING_S = 15.0      # a comment line on an idle event stream, so proxies keep it open
 NO_STORE = {"Cache-Control": "no-store"}
@@ -108,12 +108,13 @@ def _error(status: int, message: str) -> Response:
 
 
 def make_app(dbs: list[str], run_dir: str | None = None, tokenizer: str | None = None, *,
-             poll_s: float = POLL_S, min_refresh_s: float = MIN_REFRESH_S) -> FastAPI:
+             poll_s: float = POLL_S, min_refresh_s: float = MIN_REFRESH_S,
+             calls_every_s: float = CALLS_EVERY_S) -> FastAPI:
     """The dashboard over these database files (and a loop's run directory). tokenizer: a
     directory with tokenizer.json (or the file); None: the run's latest checkpoint's, if any."""
     dbs = [str(d) for d in dbs]
     run = str(run_dir) if run_dir is not None else None
-    live = Live(dbs, run, poll_s)
+    live = Live(dbs, run, poll_s, calls_every_s)
     tokens = TokenText(tokenizer if tokenizer else find_tokenizer(run))
     cache = AnswerCache(live, min_refresh_s)
 

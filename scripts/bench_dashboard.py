@@ -24,9 +24,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -141,23 +141,17 @@ def _rollout_tables(db: Path, iterations: int, tasks_per_iteration: int) -> None
 class Dashboard:
     def __init__(self, db: Path, work: Path):
         self.port = launch.free_port()
-        self.log = open(work / "dashboard.log", "ab")
-        self.proc = subprocess.Popen([POLAR, "dashboard", "--db", str(db), "--port", str(self.port)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        launch.wait_port(self.port, None, timeout=60)
+        self.service = launch.Service("dashboard", [POLAR, "dashboard", "--db", str(db), "--port", str(self.port)],
+                                      None, work / "dashboard.log")
+        launch.wait_port(self.port, self.service, timeout=60)
         self.url = f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+        self.service.stop()
 
 
 def browser(pw):
-    args = ["--no-sandbox"] if hasattr(__import__("os"), "geteuid") and __import__("os").geteuid() == 0 else []
+    args = ["--no-sandbox"] if os.geteuid() == 0 else []   # Chromium refuses root without it
     return pw.chromium.launch(executable_path=shutil.which("chromium"), args=args)
 
 

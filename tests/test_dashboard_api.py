@@ -48,32 +48,7 @@ TASK = "fix@r1.0"      # a loop's task id: TASK@RUN.I (the routes take "@", "~" 
 SAMPLES = 3
 REWARDS = {0: 1.0, 1: 0.5, 2: 0.25}
 
-AGENT = r'''
-import json, os, subprocess
-import httpx
-
-TOOLS = [{"type": "function", "function": {
-    "name": "bash", "description": "Run a shell command in the workspace",
-    "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]
-messages = [{"role": "system", "content": "You are a careful agent. Use the bash tool."},
-            {"role": "user", "content": os.environ["POLAR_INSTRUCTION"]}]
-with httpx.Client(proxy=os.environ["HTTPS_PROXY"], verify=os.environ["SSL_CERT_FILE"], timeout=60,
-                  trust_env=False) as client:
-    for _ in range(4):
-        r = client.post("https://api.openai.com/v1/chat/completions", headers={"authorization": "Bearer x"},
-                        json={"model": "gpt-4o", "messages": messages, "tools": TOOLS, "max_tokens": 64})
-        r.raise_for_status()
-        msg = r.json()["choices"][0]["message"]
-        messages.append(msg)
-        if not msg.get("tool_calls"):
-            print(msg.get("content"), flush=True)
-            break
-        for call in msg["tool_calls"]:
-            command = json.loads(call["function"]["arguments"])["command"]
-            out = subprocess.run(command, shell=True, capture_output=True, text=True)
-            print("$", command, flush=True)
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": out.stdout + out.stderr})
-'''
+AGENT = (Path(__file__).parent / "bash_agent.py").read_text()
 EVALUATOR = ('test -f polar_proof.txt || { echo 0; exit 0; }; '
              'case "$POLAR_SAMPLE" in 0) echo 1.0;; 1) echo 0.5;; *) echo 0.25;; esac')
 

@@ -37,32 +37,7 @@ WAIT_MS = 20_000      # the longest any page may take to show what it must
 
 # The harness: an agent loop over the OpenAI chat API through the proxy (HTTPS_PROXY and
 # the proxy's CA, as the node gives every harness), with one tool, `bash`.
-AGENT = r'''
-import json, os, subprocess
-import httpx
-
-TOOLS = [{"type": "function", "function": {
-    "name": "bash", "description": "Run a shell command in the workspace",
-    "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]
-messages = [{"role": "system", "content": "You are a careful coding agent. Use the bash tool."},
-            {"role": "user", "content": os.environ["POLAR_INSTRUCTION"]}]
-with httpx.Client(proxy=os.environ["HTTPS_PROXY"], verify=os.environ["SSL_CERT_FILE"], timeout=60,
-                  trust_env=False) as client:
-    for _ in range(4):
-        r = client.post("https://api.openai.com/v1/chat/completions", headers={"authorization": "Bearer x"},
-                        json={"model": "gpt-4o", "messages": messages, "tools": TOOLS, "max_tokens": 64})
-        r.raise_for_status()
-        msg = r.json()["choices"][0]["message"]
-        messages.append(msg)
-        if not msg.get("tool_calls"):
-            print(msg.get("content"), flush=True)
-            break
-        for call in msg["tool_calls"]:
-            command = json.loads(call["function"]["arguments"])["command"]
-            out = subprocess.run(command, shell=True, capture_output=True, text=True)
-            print("$", command, flush=True)
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": out.stdout + out.stderr})
-'''
+AGENT = (Path(__file__).parent / "bash_agent.py").read_text()   # with a system prompt and a bash tool
 # Rewards by sample, read by the evaluator (it runs in the finished workspace): they differ
 # within a group; no proof file (the tool never ran) scores 0.
 EVALUATOR = ('test -f polar_proof.txt || { echo "no proof"; echo 0; exit 0; }; '

@@ -3,7 +3,7 @@
 Cheap on a file of 100,000 calls and more, and read-only: every aggregate reads call_records'
 own columns (counts, usage tokens, policy versions, error), never the calls view, which
 rebuilds every call's request before a filter applies. One session's calls are rebuilt from
-their deltas in Python, as the trainer's reader does (delta.apply_ids for the prompt ids,
+their deltas in Python, as the trainer's reader does (delta.apply_prompt for the prompt ids,
 the calls view's text rule along one call's chain of bases for its request text). The rollout
 server's journal log (what is not folded into its tables yet) is read over the tables, as
 rollout_journal.load does, but only the columns a page shows: the outputs of the sessions
@@ -30,7 +30,7 @@ from ..adapters import AdapterError, adapter
 from ..session_ids import RUN_SEPARATOR, attempt_of, parse, task_of, task_of_run
 from . import journal_log
 from .db import reading
-from .delta import apply_ids
+from .delta import apply_prompt, apply_text
 from .transcripts import _last_main_call, _with_answer
 
 
@@ -798,14 +798,7 @@ def _calls(rows: list[tuple]):
     for (call_id, seq, base, shared, suffix, tokens, logprobs, style, path, requested, served, stream, status,
          version, finish, prompt_len, prompt_tokens, completion_tokens, queue_ms, backend_ms, total_ms, error,
          error_kind, started_at, prefix, text_suffix, middle, _ok) in rows:
-        prompt: list[int] | None = None
-        if suffix is not None:
-            suffix_ids = orjson.loads(suffix)
-            if base is None:
-                prompt = list(suffix_ids)
-            elif base in ids:
-                base_prompt, base_tokens = ids[base]
-                prompt = apply_ids(base_prompt or [], base_tokens, shared or 0, suffix_ids)
+        prompt = None if suffix is None else apply_prompt(ids, base, shared, orjson.loads(suffix))
         ids[call_id] = (prompt, list(tokens or []))
         text_rows[call_id] = (base, prefix, text_suffix, middle)
         out.append(CallData(call_id=call_id, seq=seq, style=style, path=path, requested_model=requested,
@@ -830,11 +823,7 @@ def _calls(rows: list[tuple]):
         whole: str | None = None
         for cid in reversed(chain):
             base, prefix, suffix, middle = text_rows[cid]
-            if base is None:
-                whole = middle
-            else:
-                b = whole or ""
-                whole = b[:prefix or 0] + (middle or "") + (b[max(len(b) - (suffix or 0), 0):] if suffix else "")
+            whole = middle if base is None else apply_text(whole or "", prefix, suffix, middle)
         return whole
     return out, text
 

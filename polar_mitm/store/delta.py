@@ -14,7 +14,7 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import orjson
 
@@ -46,6 +46,27 @@ def apply_ids(base_prompt: Sequence[int], base_tokens: Sequence[int], shared: in
     if shared > len(base_prompt):
         head += base_tokens[:shared - len(base_prompt)]
     return head + list(suffix)
+
+
+def apply_prompt(known: Mapping[str, tuple[list[int] | None, Sequence[int]]], base: str | None,
+                 shared: int | None, suffix: Sequence[int]) -> list[int] | None:
+    """A call's prompt ids from its stored delta (prompt_shared, prompt_suffix): the suffix
+    alone when it has no base, else the first `shared` of its base's prompt + sampled ids, then
+    the suffix. known: the session's earlier calls, call_id -> (prompt ids, sampled ids).
+    None when its base is not known (a broken chain)."""
+    if base is None:
+        return list(suffix)
+    if base not in known:
+        return None
+    base_prompt, base_tokens = known[base]
+    return apply_ids(base_prompt or [], base_tokens, shared or 0, suffix)
+
+
+def apply_text(base_text: str, prefix: int | None, suffix: int | None, middle: str | None) -> str:
+    """A request text from its stored delta against its base's: the calls view's rule,
+    left(base, prefix) || middle || right(base, suffix)."""
+    return (base_text[:prefix or 0] + (middle or "")
+            + (base_text[max(len(base_text) - suffix, 0):] if suffix else ""))
 
 
 def ids_json(ids) -> bytes | None:

@@ -58,7 +58,7 @@ from ..adapters import AdapterError, adapter, backend_request
 from ..adapters.backend import to_backend
 from ..session_ids import attempt_of, task_of, task_of_run
 from .db import reading
-from .delta import apply_ids
+from .delta import apply_prompt, apply_text
 from .transcripts import _with_answer
 
 Format = Literal["messages", "tokens"]
@@ -252,21 +252,9 @@ def _session_calls(rows: list[tuple], skipped: Counter[str]) -> list[_Call]:
         if base is not None and base not in texts:
             skipped["missing_base"] += 1
             continue
-        if base is None:
-            text = middle or ""
-        else:
-            base_text = texts[base]
-            text = base_text[:prefix or 0] + (middle or "") + (base_text[len(base_text) - suffix_len:]
-                                                               if suffix_len else "")
+        text = (middle or "") if base is None else apply_text(texts[base], prefix, suffix_len, middle)
         texts[call_id] = text
-        prompt = None
-        if suffix is not None:
-            suffix_ids = orjson.loads(suffix)
-            if base is None:
-                prompt = suffix_ids
-            elif base in ids:
-                base_prompt, base_tokens = ids[base]
-                prompt = apply_ids(base_prompt or [], base_tokens, shared, suffix_ids)
+        prompt = None if suffix is None else apply_prompt(ids, base, shared, orjson.loads(suffix))
         ids[call_id] = (prompt, list(tokens or []))
         if failed:
             skipped[failed] += 1

@@ -20,7 +20,7 @@ import orjson
 from ..trainer_input import UNKNOWN_VERSION, Call, SessionReward, policy_version_of
 from ..session_ids import attempt_of
 from .db import Reward, reading, store_rewards
-from .delta import apply_ids
+from .delta import apply_prompt
 
 # A call whose policy version is not known (NULL: the gateway could not verify which weights
 # served it) is never trained: its logprobs may be another policy's.
@@ -93,7 +93,7 @@ class TrainingData:
 
 
 # The stored rows, not the calls view: prompt ids are rebuilt here from their deltas
-# (delta.apply_ids), a session at a time, which is much cheaper than the view's recursion.
+# (delta.apply_prompt), a session at a time, which is much cheaper than the view's recursion.
 _SQL = """
 SELECT c.session_id, s.task_id, c.seq, c.call_id, c.base_call, c.prompt_shared,
        c.prompt_suffix, c.token_ids, c.logprobs, c.finish_reason, c.policy_version, s.reward,
@@ -153,13 +153,8 @@ def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None 
                 ids, current = {}, session_id
             prompt = None
             if suffix is not None:
-                suffix = orjson.loads(suffix)
-                if base is None:
-                    prompt = suffix
-                elif base in ids:
-                    base_prompt, base_tokens = ids[base]
-                    prompt = apply_ids(base_prompt or [], base_tokens, shared, suffix)
-                else:
+                prompt = apply_prompt(ids, base, shared, orjson.loads(suffix))
+                if prompt is None:   # its base is not in the file
                     out.skipped["missing_base"] += 1
                     continue
             ids[call_id] = (prompt, tokens or [])

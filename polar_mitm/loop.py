@@ -44,11 +44,11 @@ from .rollout.rewards import incomplete, release_causes, reward_records
 from .rollout.protocol import Group, RewardRecord, SessionResult
 from .rollout.spec import TaskRequest, spec_changes, task_from_json
 from .rollout.states import TASK_SETTLED, TERMINAL, Session
-from .session_ids import RUN_SEPARATOR, TASK_ID_MAX, run_task_id, task_of_run
+from .session_ids import TASK_ID_MAX, parse_run_task, run_task_id, task_of_run
 from .store import init_db, rollout_journal
 from .store.loop import iterations as stored_iterations
 from .store.loop import steps as stored_steps
-from .store.loop import IterationRow, TaskRewards, record_iteration, record_version
+from .store.loop import IterationRow, TaskRewards, record_iteration, record_version, standard_error
 from .store.training import set_rewards, training_calls
 from .trackers import Trackers, open_trackers
 
@@ -361,16 +361,12 @@ def _check_unchanged(db: str, run_id: str, tasks: list[TaskRequest], eval_tasks:
     now = {(t.task_id, False): t for t in tasks} | {(t.task_id, True): t for t in eval_tasks}
     latest: dict[tuple[str, bool], tuple[int, dict]] = {}
     for row in rollout_journal.load(db)[0]:
-        tid = row["task_id"]
-        task, sep, rest = tid.rpartition(RUN_SEPARATOR)
-        run, _, it = rest.partition(".")
-        if not sep or run != run_id:
+        rt = parse_run_task(row["task_id"])
+        if rt is None or rt.run_id != run_id:
             continue
-        held_out = it.endswith(".eval")
-        n = it.removesuffix(".eval")
-        key = (task, held_out)
-        if n.isdigit() and key in now and int(n) >= latest.get(key, (-1, {}))[0]:
-            latest[key] = (int(n), row["spec"])
+        key = (rt.task, rt.held_out)
+        if key in now and rt.iteration >= latest.get(key, (-1, {}))[0]:
+            latest[key] = (rt.iteration, row["spec"])
     changed = []
     for (task, held_out), (_, spec) in sorted(latest.items()):
         current = now[(task, held_out)]
@@ -652,13 +648,6 @@ def iteration_table(rows: list[dict]) -> str:
             f"{t} " + " ".join(_f(json.loads(r["per_task"]).get(t, {}).get("mean"), ".2f") for r in rows)
             for t in tasks))
     return "\n".join(lines)
-
-
-def standard_error(std: float | None, n: int | None) -> float | None:
-    """The standard error of a mean from its population std over n samples (None: unknown)."""
-    if std is None or n is None or n < 2:
-        return None
-    return std / math.sqrt(n - 1)
 
 
 @dataclass(frozen=True)

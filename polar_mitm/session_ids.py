@@ -77,3 +77,23 @@ def run_task_id(task_id: str, run_id: str, iteration: int, held_out: bool = Fals
 def task_of_run(task_id: str) -> str:
     """TASK of TASK@RUN.I (a task id without a run is its own)."""
     return task_id.rsplit(RUN_SEPARATOR, 1)[0]
+
+
+class RunTask(NamedTuple):
+    task: str            # TASK
+    run_id: str
+    iteration: int
+    held_out: bool
+
+
+def parse_run_task(task_id: str) -> RunTask | None:
+    """TASK@RUN.I (held out: TASK@RUN.I.eval) split, run_task_id's inverse; None for a task
+    id that names no run."""
+    task, sep, rest = task_id.rpartition(RUN_SEPARATOR)
+    if not sep:
+        return None
+    held_out = rest.endswith(".eval")
+    run_id, dot, it = rest.removesuffix(".eval").rpartition(".")
+    if not dot or not run_id or not it.isdigit():
+        return None
+    return RunTask(task, run_id, int(it), held_out)

@@ -48,3 +48,12 @@ def test_query_key_is_redacted():
     assert sessions.redact_query("/v1beta/models/m:generateContent?key=AIza123&alt=sse") == \
         "/v1beta/models/m:generateContent?alt=sse"
     assert sessions.redact_query("/x?key=1") == "/x"
+
+
+def test_a_loop_task_id_parses_back_into_its_parts():
+    from polar_mitm.session_ids import RunTask, parse_run_task, run_task_id
+    for task, run, it, held in (("fix", "de58bd", 0, False), ("add-1-5", "a45f39", 12, True),
+                                ("a@b", "r1", 3, False)):   # the run's "@" is the last one
+        assert parse_run_task(run_task_id(task, run, it, held)) == RunTask(task, run, it, held)
+    for plain in ("fix", "fix~0", "fix@run", "fix@run.x", "fix@.3", "fix@run.3.evals"):
+        assert parse_run_task(plain) is None, plain

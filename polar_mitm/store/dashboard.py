@@ -27,10 +27,11 @@ import duckdb
 import orjson
 
 from ..adapters import AdapterError, adapter
-from ..session_ids import RUN_SEPARATOR, attempt_of, parse, task_of, task_of_run
+from ..session_ids import RUN_SEPARATOR, attempt_of, parse, parse_run_task, task_of, task_of_run
 from . import journal_log
 from .db import reading
 from .delta import apply_prompt, apply_text
+from .loop import standard_error   # the loop's rule: the dashboard shows the figures it prints
 from .transcripts import _last_main_call, _with_answer
 
 
@@ -45,27 +46,14 @@ class RunTask(TypedDict):
 
 @functools.lru_cache(maxsize=1 << 16)
 def run_task(task_id: str) -> RunTask:
-    """TASK@RUN.I[.eval] split; any other task id is its own base task, of no run. (Cached:
-    callers must not change the answer.)"""
-    base = task_of_run(task_id)
-    if base == task_id or RUN_SEPARATOR not in task_id:
+    """TASK@RUN.I[.eval] split (session_ids.parse_run_task); any other task id is its own
+    base task, of no run. (Cached: callers must not change the answer.)"""
+    rt = parse_run_task(task_id)
+    if rt is None:
         return RunTask(base_task=task_id, run_id=None, iteration=None, held_out=False)
-    rest = task_id[len(base) + 1:]
-    held_out = rest.endswith(".eval")
-    if held_out:
-        rest = rest[:-len(".eval")]
-    run_id, dot, it = rest.rpartition(".")
-    if not dot or not it.isdigit():
-        return RunTask(base_task=task_id, run_id=None, iteration=None, held_out=False)
-    return RunTask(base_task=base, run_id=run_id, iteration=int(it), held_out=held_out)
+    return RunTask(base_task=rt.task, run_id=rt.run_id, iteration=rt.iteration, held_out=rt.held_out)
 
 
-def standard_error(std: float | None, n: int | None) -> float | None:
-    """The standard error of a mean from its population std over n samples (as the loop
-    computes it: std / sqrt(n - 1), the sample std / sqrt(n)); None when unknown."""
-    if std is None or n is None or n < 2 or not math.isfinite(std):
-        return None
-    return std / math.sqrt(n - 1)
 
 
 def _iso(v: Any) -> str | None:

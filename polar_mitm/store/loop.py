@@ -3,6 +3,7 @@ step and per policy version. Typed rows in; all SQL here."""
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Iterable, Mapping, TypedDict
 
@@ -52,6 +53,14 @@ class IterationRow(TypedDict, total=False):
     journal_saves: int | None        # the rollout server's journal saves in the iteration
     journal_save_p50_ms: float | None
     journal_save_p99_ms: float | None
+
+
+def standard_error(std: float | None, n: int | None) -> float | None:
+    """The standard error of a mean from its population std over n samples (as the loop
+    computes it: std / sqrt(n - 1), the sample std / sqrt(n)); None when unknown."""
+    if std is None or n is None or n < 2 or not math.isfinite(std):
+        return None
+    return std / math.sqrt(n - 1)
 
 
 ITERATION_COLUMNS = tuple(IterationRow.__annotations__)

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +55,7 @@ import orjson
 
 from ..adapters import AdapterError, adapter, backend_request
 from ..adapters.backend import to_backend
-from ..session_ids import attempt_of, task_of, task_of_run
+from ..session_ids import attempt_of, parse_run_task, task_of, task_of_run
 from .db import reading
 from .delta import apply_prompt, apply_text
 from .transcripts import _with_answer
@@ -70,8 +69,6 @@ SESSION_SKIPS = ("no_reward", "below_min_reward", "superseded_attempt", "held_ou
 # ... and why a call of an exported session is in no row (counted per call).
 CALL_SKIPS = ("failed", "abandoned", "missing_base", "unreadable", "no_answer", "no_token_ids")
 
-# TASK@RUN.I, TASK@RUN.I.eval (session_ids.run_task_id)
-_RUN_SUFFIX = re.compile(r"@(?P<run>[^@]+)\.(?P<iteration>\d+)(?P<eval>\.eval)?$")
 
 
 class _RowBase(TypedDict):
@@ -105,14 +102,14 @@ class ExportStats:
 
 def iteration_of(task_id: str) -> int | None:
     """I of the loop's TASK@RUN.I (or TASK@RUN.I.eval); None for a task outside any run."""
-    m = _RUN_SUFFIX.search(task_id)
-    return int(m.group("iteration")) if m else None
+    rt = parse_run_task(task_id)
+    return rt.iteration if rt else None
 
 
 def held_out(task_id: str) -> bool:
     """A held-out copy of the loop's (TASK@RUN.I.eval): never trained on."""
-    m = _RUN_SUFFIX.search(task_id)
-    return bool(m and m.group("eval"))
+    rt = parse_run_task(task_id)
+    return bool(rt and rt.held_out)
 
 
 def task_matches(task_id: str, pattern: str) -> bool:

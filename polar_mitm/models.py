@@ -70,3 +70,18 @@ def _convert(gguf: Path, out: Path) -> None:
     plain.load_state_dict(model.state_dict())
     plain.bfloat16().save_pretrained(out)
     tok.save_pretrained(out)
+
+
+def model_dir_problem(path: str | Path) -> str | None:
+    """Why `path` is not a Hugging Face model directory (config.json and weights) that vLLM
+    and the trainer can load, or None when it is one."""
+    p = Path(path)
+    if not p.exists():
+        return f"{path} does not exist"
+    if not p.is_dir():
+        return f"{path} is not a directory (give a Hugging Face model directory, or a polar-train checkpoint)"
+    if not (p / "config.json").is_file():
+        return f"{path} is not a Hugging Face model directory: it has no config.json"
+    if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
+        return f"{path} has no weights (no *.safetensors nor *.bin file)"
+    return None

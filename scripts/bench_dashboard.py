@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_gateway as bg  # noqa: E402
 import workload  # noqa: E402
 
-from polar_mitm import launch  # noqa: E402
+from polar_mitm.stack import launch  # noqa: E402
 from polar_mitm.store import query  # noqa: E402
 from polar_mitm.store.db import Reward, store_rewards  # noqa: E402
 from polar_mitm.store.loop import IterationRow, record_iteration  # noqa: E402

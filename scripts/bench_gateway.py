@@ -66,7 +66,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workload  # noqa: E402
 
-from polar_mitm import launch  # noqa: E402
+from polar_mitm.stack import launch  # noqa: E402
 from polar_mitm.store import calllog, log_dir, query  # noqa: E402
 
 CONFIGS = ("direct", "plain", "polar")

@@ -4,7 +4,7 @@
     .venv/bin/python scripts/bench_loop.py --demo [--iterations 2] [--backend URL]
     .venv/bin/python scripts/bench_loop.py --read DIR      # a run that is already there
 
-Long runs (the default): `polar-train loop` with a stand-in for vLLM (tests/fake_vllm.py, in
+Long runs (the default): `polar-train loop` with a stand-in for vLLM (tests/support/fake_vllm.py, in
 this process), a tiny random model and a `command` harness (curl through the node's proxy),
 so that hundreds of iterations take minutes and only the loop's own costs show. It prints,
 at iterations 1, 10, 50, 100 and 200: the time per iteration (wall, and the loop's own
@@ -51,9 +51,9 @@ MARKS = (1, 10, 50, 100, 200)
 
 def run_demo(out: Path, iterations: int, backend: str | None, staleness: int = 0) -> float:
     """`polar-mitm demo`'s loop, with its settings (cli.DemoSettings)."""
-    from polar_mitm.cli import DEMO as D
+    from polar_mitm.cli.main import DEMO as D
     from polar_mitm.grpo.config import TrainConfig
-    from polar_mitm.loop import LoopOptions, run_loop
+    from polar_mitm.loop.run import LoopOptions, run_loop
 
     t0 = time.monotonic()
     run_loop(LoopOptions(tasks_file=str(DEMO / "arithmetic.jsonl"), iterations=iterations, out=out,
@@ -168,8 +168,8 @@ def run_standin(out: Path, iterations: int, kill_at: int | None, tasks: int, sam
     """The loop as a child process, watched: per iteration, when its line came, the database's
     size and the RSS of the loop and its proxy."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from fake_vllm import FakeVLLM
-    from grpo_data import tiny_model_dir
+    from support.fake_vllm import FakeVLLM
+    from support.grpo_data import tiny_model_dir
 
     out.mkdir(parents=True, exist_ok=True)
     model = out / "model"
@@ -281,10 +281,10 @@ def report_standin(out: Path, seen: dict[int, dict], iterations: int, kill_at: i
 
 
 def check_trackers(out: Path, report_to: str) -> bool:
-    """Each tracker, read back with its own library's reader (tests/test_trackers.py): one run
+    """Each tracker, read back with its own library's reader (tests/loop/test_trackers.py): one run
     (the kill -9 and the resume included), reward/mean at every iteration, equal to
     loop_iterations."""
-    from test_trackers import READERS
+    from support.tracker_readers import READERS
 
     run = out / "run"
     run_id = json.loads((run / "loop.json").read_text())["run_id"]

@@ -67,7 +67,8 @@ def one(prefix: int, layers: int, hidden: int, budget: int, threads: int) -> dic
     from polar_mitm.grpo.attention import register
     from polar_mitm.grpo.policy import TokenLogprobs
     from polar_mitm.grpo.synthetic import Shape, group
-    from polar_mitm.grpo.train import TrainConfig, prepare_step, run_step
+    from polar_mitm.grpo.config import TrainConfig
+    from polar_mitm.grpo.step import ProximalLogprobs, StepInputs, prepare_step, run_step
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -88,17 +89,16 @@ def one(prefix: int, layers: int, hidden: int, budget: int, threads: int) -> dic
     for c in calls:
         offsets.append(offsets[-1] + len(c.tokens))
     weights = torch.tensor([w for ws in token_weights(calls) for w in ws], dtype=torch.float64)
-    proximal = torch.full((offsets[-1],), float("nan"))
+    inputs = StepInputs(adv, weights, ProximalLogprobs.unscored(offsets[-1]))
     step = prepare_step(calls, list(range(len(calls))), ["task"], offsets, train_cfg, torch.device("cpu"), 0, 1,
                         lm.config._attn_implementation, lm.dtype)
     base = rss_bytes()
     reset_peak()
     t0 = time.perf_counter()
-    sums = run_step(TokenLogprobs(lm), step, adv, weights, proximal, train_cfg, None,
-                    lambda: torch.autocast("cpu", enabled=False))
+    run = run_step(TokenLogprobs(lm), step, inputs, train_cfg.loss, lambda: torch.autocast("cpu", enabled=False))
     seconds = time.perf_counter() - t0
     peak = peak_bytes()
-    runner = step.runner
+    runner = step.layout().runner
     depth = 0
     for r in runner.rows:   # rows on the longest chain of rows
         d, p = 1, r.parent_row
@@ -106,7 +106,7 @@ def one(prefix: int, layers: int, hidden: int, budget: int, threads: int) -> dic
             d, p = d + 1, runner.rows[p].parent_row
         depth = max(depth, d)
     return {"peak": peak - base, "seconds": seconds, "rows": len(runner.rows), "row_depth": depth,
-            "forward_tokens": step.stats["forward_tokens"], "loss": sums["loss"]}
+            "forward_tokens": run.stats.forward_tokens, "loss": run.sums["loss"]}
 
 
 def main() -> int:

@@ -38,7 +38,8 @@ from polar_mitm.grpo.config import BUILDERS
 from polar_mitm.grpo.flops import model_flops, token_cost
 from polar_mitm.grpo.policy import TokenLogprobs
 from polar_mitm.grpo.synthetic import Shape, group
-from polar_mitm.grpo.train import TrainConfig, prepare_step, run_step
+from polar_mitm.grpo.config import TrainConfig
+from polar_mitm.grpo.step import ProximalLogprobs, StepInputs, prepare_step, run_step
 from polar_mitm.grpo.trajectories import build
 
 ORDER = BUILDERS[::-1]   # per_request first: the baseline the others are measured against
@@ -142,12 +143,11 @@ def epoch_seconds(lm, calls, builder: str, budget: int) -> tuple[float, int]:
     t0 = time.perf_counter()
     step = prepare_step(calls, list(range(len(calls))), sorted({c.group for c in calls}), offsets, cfg,
                         torch.device("cpu"), 0, 1, lm.config._attn_implementation, lm.dtype)
-    proximal = torch.full((offsets[-1],), float("nan"))
+    inputs = StepInputs(adv, weights, ProximalLogprobs.unscored(offsets[-1]))
     lm.zero_grad(set_to_none=True)
-    run_step(TokenLogprobs(lm), step, adv, weights, proximal, cfg, None,
-             lambda: torch.autocast("cpu", enabled=False))
+    run_step(TokenLogprobs(lm), step, inputs, cfg.loss, lambda: torch.autocast("cpu", enabled=False))
     seconds = time.perf_counter() - t0
-    return seconds, len(step.runner.rows)
+    return seconds, len(step.layout().runner.rows)
 
 
 def timing_table(lm, calls, budget: int, repeats: int) -> tuple[dict[str, float], float, float]:

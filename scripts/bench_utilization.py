@@ -11,7 +11,7 @@ Slots busy = time-average of (sequences in flight / backend slots), from the fir
 the last. NVIDIA Polar's anchor: 20.4% naive -> 87.7% with its buffer. Target: >= 85%.
 
 Next to them, real CLIs (default pi and gemini) through the whole stack of `polar-mitm rollout`:
-the scripted stand-in for vLLM (tests/fake_vllm.py, scripted: the CLI's own shell tool, then an
+the scripted stand-in for vLLM (tests/support/fake_vllm.py, scripted: the CLI's own shell tool, then an
 answer; each completion takes --cli-call-s, a generation), the proxy, a rollout server and a
 gateway node with --cli-workers RUN slots, each CLI's task --cli-sessions times. Its figures
 are the ones `rollout` prints: backend busy = the union of the intervals in which at least one
@@ -37,13 +37,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))      # the scripted stand-in for vLLM
 
-from polar_mitm import launch, session_ids  # noqa: E402
+from polar_mitm import session_ids  # noqa: E402
+
+from polar_mitm.stack import launch
 from polar_mitm.rollout import GatewayNode, NodeConfig, RolloutServer, harnesses  # noqa: E402
 from polar_mitm.rollout.harnesses import Launch  # noqa: E402
 from polar_mitm.rollout.runtime import RunResult  # noqa: E402
-from polar_mitm.rollout_cli import RunFigures  # noqa: E402
-from polar_mitm.stack import Stack  # noqa: E402
-from fake_vllm import MARKER, FakeVLLM  # noqa: E402
+from polar_mitm.cli.rollout import RunFigures  # noqa: E402
+from polar_mitm.stack.local import Stack  # noqa: E402
+from support.fake_vllm import MARKER, FakeVLLM  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ def stand_in():
     """FakeVLLM's scripted mode, whose shell-tool call applies the patch of the task named in
     the conversation."""
     import orjson
-    from fake_vllm import SHELL_TOOLS, FakeVLLM, _args
+    from support.fake_vllm import SHELL_TOOLS, FakeVLLM, _args
 
     patches = {p.stem: p.read_text() for p in (BUGFIX / "fixes").glob("*.patch")}
 

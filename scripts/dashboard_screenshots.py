@@ -29,7 +29,7 @@ from urllib.parse import quote
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from polar_mitm import launch  # noqa: E402
+from polar_mitm.stack import launch  # noqa: E402
 from polar_mitm.store import query  # noqa: E402
 from polar_mitm.store.db import init_db  # noqa: E402
 

@@ -32,6 +32,12 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:   # a bare machine: torch is imported where it is used
+    import torch
+
+    from polar_mitm.grpo.results import StepMetrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -82,7 +88,14 @@ def test_calls(smoke: bool):
     return [c for t in range(2) for c in group(f"t{t}", shape, rng, reward=lambda i: float(i % 2))]
 
 
-def one_step(model: str, calls, dtype: str, budget: int) -> dict:
+class OneStep(NamedTuple):
+    """One step at lr 0 (the weights do not move): its metrics and its gradients."""
+    attention: str
+    metrics: StepMetrics
+    grads: torch.Tensor
+
+
+def one_step(model: str, calls, dtype: str, budget: int) -> OneStep:
     """Loss, logprobs and gradients of one step at lr 0 (the weights do not move)."""
     import torch
 
@@ -90,12 +103,9 @@ def one_step(model: str, calls, dtype: str, budget: int) -> dict:
     from polar_mitm.grpo.train import Trainer
     t = Trainer(model, TrainConfig(lr=0.0, token_budget=budget, max_grad_norm=1e30, dtype=dtype))
     with tempfile.TemporaryDirectory(prefix="polar-gpu-check-") as scratch:
-        summary = t.train_on(calls, scratch)
+        result = t.train_on(calls, scratch)
     grads = torch.cat([p.grad.float().flatten().cpu() for p in t.policy.parameters() if p.grad is not None])
-    m = summary["history"][0]
-    return {"device": str(t.device), "attention": t.attention, "loss": m["loss"],
-            "logprob_vs_rollout": m["logprob_abs_diff"], "grads": grads, "tokens_per_s": m["tokens_per_s"],
-            "forward_tokens": m["forward_tokens"], "seconds": m["seconds"]}
+    return OneStep(t.attention, result.history[0], grads)
 
 
 def exactness(smoke: bool, work: Path) -> None:
@@ -115,9 +125,9 @@ def exactness(smoke: bool, work: Path) -> None:
     print(f"{'run':24}{'attention':>16}{'|d loss|':>12}{'max |d grad|':>14}{'grad cosine':>13}")
     for dtype in ("fp32", "bf16"):
         got = one_step(model, calls, dtype, budget=256)
-        d = got["grads"] - ref["grads"]
-        cos = float(torch.nn.functional.cosine_similarity(got["grads"], ref["grads"], dim=0))
-        print(f"{'cuda ' + dtype + ' vs cpu fp32':24}{got['attention']:>16}{abs(got['loss'] - ref['loss']):>12.2e}"
+        d = got.grads - ref["grads"]
+        cos = float(torch.nn.functional.cosine_similarity(got.grads, ref["grads"], dim=0))
+        print(f"{'cuda ' + dtype + ' vs cpu fp32':24}{got.attention:>16}{abs(got.metrics.loss - ref['loss']):>12.2e}"
               f"{float(d.abs().max()):>14.2e}{cos:>13.6f}")
 
 
@@ -151,11 +161,11 @@ def speed(smoke: bool, work: Path) -> None:
             m, gb = second_step(model, calls, TrainConfig(lr=0.0, token_budget=budget, builder=builder,
                                                           dtype="bf16", gradient_checkpointing=not smoke))
             flops = flops_of[builder]
-            assert m["forward_tokens"] == tokens_of[builder], "the FLOPs must count the trained samples"
-            got[builder] = (m["tokens_per_s"], flops / m["seconds"])
-            mfu = f"{flops / m['seconds'] / peak:.1%}" if peak else "-"
-            print(f"{builder:16}{m['forward_tokens']:>15,}{flops / 1e9:>15,.1f}{m['seconds']:>9.2f}"
-                  f"{m['tokens_per_s']:>11,.0f}{flops / m['seconds'] / 1e12:>9.1f}{mfu:>7}{_gb(gb):>9}")
+            assert m.forward_tokens == tokens_of[builder], "the FLOPs must count the trained samples"
+            got[builder] = (m.tokens_per_s, flops / m.seconds)
+            mfu = f"{flops / m.seconds / peak:.1%}" if peak else "-"
+            print(f"{builder:16}{m.forward_tokens:>15,}{flops / 1e9:>15,.1f}{m.seconds:>9.2f}"
+                  f"{m.tokens_per_s:>11,.0f}{flops / m.seconds / 1e12:>9.1f}{mfu:>7}{_gb(gb):>9}")
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     if "trie" not in got or "prefix_merging" not in got:
@@ -166,7 +176,7 @@ def speed(smoke: bool, work: Path) -> None:
           f"model FLOP/s {fps / base_fps:.2f}x")
 
 
-def second_step(model: Path, calls, cfg) -> tuple[dict, float | None]:
+def second_step(model: Path, calls, cfg) -> tuple[StepMetrics, float | None]:
     """The metrics of the second of two steps (the first compiles flex and warms the
     allocator) and its peak GPU memory over what was allocated before it (the model, its
     gradients and optimizer state), in GB (None off CUDA); the trainer dies with this
@@ -182,7 +192,7 @@ def second_step(model: Path, calls, cfg) -> tuple[dict, float | None]:
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-        m = t.train_on(calls, scratch)["history"][0]
+        m = t.train_on(calls, scratch).history[0]
     return m, (torch.cuda.max_memory_allocated() - before) / 1e9 if cuda else None
 
 
@@ -235,7 +245,7 @@ def main() -> int:
     if args.cpu_reference:
         model, out = args.cpu_reference
         r = one_step(model, test_calls(args.smoke), "fp32", budget=256)
-        torch.save({k: r[k] for k in ("loss", "grads")}, out)
+        torch.save({"loss": r.metrics.loss, "grads": r.grads}, out)
         return 0
     print(json.dumps({"torch": torch.__version__, "cuda": torch.cuda.is_available(),
                       "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}))

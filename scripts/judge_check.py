@@ -102,7 +102,7 @@ def main() -> int:
     if args.backend:
         backend, stack = args.backend, None
     else:
-        from polar_mitm.stack import Stack
+        from polar_mitm.stack.local import Stack
         stack = Stack()
         logs = Path(tempfile.mkdtemp(prefix="judge-check-"))
         backend = stack.start_model(logs, max_model_len=8192)   # as `polar-mitm up` does

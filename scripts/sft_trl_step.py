@@ -27,7 +27,7 @@ def tiny_model(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from polar_mitm import launch
+    from polar_mitm.stack import launch
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     tok.chat_template = (launch.TEMPLATES / "smollm2_tools.jinja").read_text()

@@ -7,8 +7,8 @@ times in a row, then rerun to the end each time. After every trial:
 
     .venv/bin/python scripts/soak_groups.py [--kills 20] [--interrupts 20] [--seed 0]
 
-Stand-ins: the scripted model backend (tests/fake_vllm.py, "scripted") and the `command` harness
-running tests/fake_harness.py (model calls through the proxy, then a random sleep), with an
+Stand-ins: the scripted model backend (tests/support/fake_vllm.py, "scripted") and the `command` harness
+running tests/support/fake_harness.py (model calls through the proxy, then a random sleep), with an
 evaluator that scores the sample index. Exit status 0 when every trial held.
 """
 
@@ -32,7 +32,7 @@ from polar_mitm import session_ids  # noqa: E402
 from polar_mitm.store import query  # noqa: E402
 
 POLAR = str(Path(sys.executable).parent / "polar-mitm")
-FAKE = f"{sys.executable} {ROOT / 'tests' / 'fake_harness.py'}"
+FAKE = f"{sys.executable} {ROOT / 'tests' / 'support' / 'fake_harness.py'}"
 TASKS, SAMPLES = 3, 4
 
 
@@ -86,7 +86,7 @@ def check(db: Path, trial: str) -> list[str]:
 
 
 def soak(kills: int, interrupts: int, seed: int = 0, work: Path | None = None, log=print) -> dict:
-    from fake_vllm import FakeVLLM
+    from support.fake_vllm import FakeVLLM
 
     # the fake harness lives in tests/, which a session's sandbox does not see otherwise
     os.environ["POLAR_SANDBOX_EXPOSE"] = str(ROOT / "tests")

@@ -3,7 +3,7 @@
 The real vLLM server (tests that take the vllm_backend fixture, or carry the vllm marker) is
 one per run, shared: set POLAR_TEST_BACKEND to reuse a server someone started; otherwise the
 run's owner (pytest's own process, or pytest-xdist's controller) starts it in the background
-as soon as the collection shows a test that needs it (tests/shared_vllm.py), so its warm-up
+as soon as the collection shows a test that needs it (tests/support/shared_vllm.py), so its warm-up
 (minutes on CPU) overlaps the tests that do not need it. Nothing starts it ahead of the run.
 
 In parallel (scripts/test.sh runs `-n`), every test that needs vLLM is one unit of work
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
-import shared_vllm
-from inprocess_proxy import InProcessProxy, ProxyLayout
-from polar_mitm import launch
+from support import shared_vllm
+from support.inprocess_proxy import InProcessProxy, ProxyLayout
+from polar_mitm.stack import launch
 from polar_mitm.models import DEFAULT_MODEL_NAME, ensure_default_model
-from provider_server import ProviderServer
+from support.provider_server import ProviderServer
 
 # Session sandboxes (bwrap) see the node's system and Python read-only, and of the rest only
 # what is exposed: the stand-in harnesses here (fake_harness.py) run inside them.
@@ -112,7 +112,7 @@ def pytest_xdist_make_scheduler(config, log):
         return None     # another --dist asked for: xdist's own
     from xdist.scheduler import LoadScopeScheduling
 
-    ONE_WORKER_FILES = {"tests/test_dashboard_browser.py", "tests/test_dashboard_api.py", "tests/test_export_sft.py"}
+    ONE_WORKER_FILES = {"tests/dashboard/test_dashboard_browser.py", "tests/dashboard/test_dashboard_api.py", "tests/store/test_export_sft.py"}
 
     class VLLMGroupScheduling(LoadScopeScheduling):
         _vllm: set[str] | None = None
@@ -206,7 +206,7 @@ def start_proxy(tmp_path):
 
 @pytest.fixture
 def start_inprocess_proxy(tmp_path):
-    """start_proxy's gateway in this process (tests/inprocess_proxy.py): no mitmdump to
+    """start_proxy's gateway in this process (tests/support/inprocess_proxy.py): no mitmdump to
     start, the same options, modes and log. Not for tests of the process itself."""
     start, started = _starter(tmp_path, InProcessProxy)
     yield start

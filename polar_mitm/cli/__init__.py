@@ -1,0 +1,1 @@
+"""The commands: `polar-mitm` and `polar-train`, their options and their lifecycle."""

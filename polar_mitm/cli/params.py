@@ -1,0 +1,83 @@
+"""The commands' options, checked as they are parsed, before anything starts: counts, ports,
+server URLs and database paths (a bad value is a one-line usage error, never a traceback
+after the stack has started). Only click and the standard library."""
+
+from __future__ import annotations
+
+import errno
+import socket
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import click
+
+from ..models import model_dir_problem
+
+WORKERS = click.IntRange(1)              # 0 would start no RUN slot: nothing would ever run
+MAX_TOKENS = click.IntRange(1)           # a cap on each call's output tokens
+MAX_TOKENS_OR_NONE = click.IntRange(0)   # 0: the command's default (or none)
+PORT = click.IntRange(1, 65535)
+PORT_OR_ANY = click.IntRange(0, 65535)   # 0: any free port (or, for a second listener, none)
+
+
+def server_root(ctx: click.Context | None, param: click.Parameter | None, value: str | None) -> str | None:
+    """A click callback for a server's URL (--backend, --server): "" (none) or its root,
+    http(s)://HOST[:PORT], returned without a trailing slash. A path such as /v1 is refused:
+    every client adds its own (vLLM's /v1/..., its dev-mode endpoints at the root)."""
+    if not value:
+        return value
+    url = value.strip()
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise click.BadParameter(f"{value!r} is not a valid URL ({e}); give the server's root, such as "
+                                 "http://127.0.0.1:8000") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise click.BadParameter(f"{value!r} is not an http(s) URL; give the server's root, such as "
+                                 "http://127.0.0.1:8000")
+    if port == 0:
+        raise click.BadParameter(f"{value!r}: port 0 is not a server's port (1 to 65535)")
+    if parts.path.strip("/") or parts.query or parts.fragment:
+        root = f"{parts.scheme}://{parts.netloc}"
+        raise click.BadParameter(f"{value!r} has a path; give the server's root, {root} (each client adds "
+                                 "its own path, such as /v1/chat/completions)")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def db_file(ctx: click.Context | None, param: click.Parameter | None, value: str | None) -> str | None:
+    """A click callback for --db: a database file (it may not exist yet), never a directory."""
+    if value and Path(value).is_dir():
+        raise click.BadParameter(f"{value} is a directory; give a database file, such as "
+                                 f"{Path(value) / 'rollouts.duckdb'}")
+    return value
+
+
+def check_port_free(port: int, host: str = "127.0.0.1", option: str = "--port") -> None:
+    """The port can be listened on now (0: any free port, not checked). Racy, as any check
+    before a bind: it turns the common cases (a server already there, a privileged port, an
+    address not of this machine) into one clear line before anything starts."""
+    if not port:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise click.BadParameter(f"cannot listen on {host}: {e.strerror}", param_hint=f"'{option}'") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        # as the servers do (asyncio, uvicorn): a port left in TIME_WAIT is not in use
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            why = {errno.EADDRINUSE: "is in use (another server listens there: pick another port)",
+                   errno.EACCES: "needs privileges (ports below 1024 are root's)",
+                   errno.EADDRNOTAVAIL: f"is not available: {host} is not an address of this machine"}
+            reason = why.get(e.errno or 0, f"cannot be used: {e.strerror}")
+            raise click.BadParameter(f"port {port} on {host} {reason}", param_hint=f"'{option}'") from None
+
+
+def check_model_dir(path: str | Path, option: str = "--model") -> None:
+    problem = model_dir_problem(path)
+    if problem:
+        raise click.BadParameter(problem, param_hint=f"'{option}'")

@@ -1,0 +1,1 @@
+"""The closed loop: rollouts, training, weight sync, and the iteration table."""

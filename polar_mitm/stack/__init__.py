@@ -1,0 +1,1 @@
+"""What runs on this machine: vLLM, the proxies, the rollout server and its nodes."""

@@ -210,7 +210,7 @@ class Fake:
         async def get():
             conn = workload.HttpConn(HOST, self.port)
             try:
-                return orjson.loads((await conn.request("GET", "/_bench/stats", {}))[1])
+                return orjson.loads((await conn.request("GET", "/_fake/counts", {}))[1])
             finally:
                 conn.close()
         return asyncio.run(get())
@@ -405,7 +405,7 @@ class Bench:
                 "machine_idle": (machine1[0] - machine0[0]) / max(1, machine1[1] - machine0[1]),
                 "peak_rss_mb": peak_rss_mb(pid) if pid else None, "rss_after_mb": rss_mb(pid) if pid else None,
                 "backend_requests": {k: after.get(k, 0) - before.get(k, 0) for k in after
-                                     if after.get(k, 0) != before.get(k, 0) and k != "/_bench/stats"}}
+                                     if after.get(k, 0) != before.get(k, 0) and k != "/_fake/counts"}}
         if cfg == "polar":
             self.answered_by_polar += sum(1 for r in records if r.status == 200 and not r.error)
         return part

@@ -22,6 +22,9 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # the tests' step inputs
 
 CONFIGS = [  # prefix tokens, (layers, hidden), budgets
     (15000, (8, 256), (16384, 4096, 1024)),
@@ -63,12 +66,12 @@ def one(prefix: int, layers: int, hidden: int, budget: int, threads: int) -> dic
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from polar_mitm.grpo.advantages import group_advantages, token_weights
     from polar_mitm.grpo.attention import register
     from polar_mitm.grpo.policy import TokenLogprobs
     from polar_mitm.grpo.synthetic import Shape, group
     from polar_mitm.grpo.config import TrainConfig
-    from polar_mitm.grpo.step import ProximalLogprobs, StepInputs, prepare_step, run_step
+    from polar_mitm.grpo.step import prepare_step, run_step
+    from support.grpo_step import step_inputs
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -82,14 +85,7 @@ def one(prefix: int, layers: int, hidden: int, budget: int, threads: int) -> dic
     shape = Shape(sessions=4, turns=3, shared=prefix, tool=(100, 300), response=(50, 150), vocab=VOCAB)
     calls = group("task", shape, random.Random(0), reward=lambda s: float(s % 2))
     train_cfg = TrainConfig(token_budget=budget)
-    rewards = {c.session_id: c.reward for c in calls}
-    adv_s = group_advantages(rewards, {c.session_id: c.group for c in calls})
-    adv = torch.tensor([adv_s[c.session_id] for c in calls])
-    offsets = [0]
-    for c in calls:
-        offsets.append(offsets[-1] + len(c.tokens))
-    weights = torch.tensor([w for ws in token_weights(calls) for w in ws], dtype=torch.float64)
-    inputs = StepInputs(adv, weights, ProximalLogprobs.unscored(offsets[-1]))
+    offsets, inputs = step_inputs(calls, torch.float32)
     step = prepare_step(calls, list(range(len(calls))), ["task"], offsets, train_cfg, torch.device("cpu"), 0, 1,
                         lm.config._attn_implementation, lm.dtype)
     base = rss_bytes()

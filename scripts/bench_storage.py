@@ -41,7 +41,7 @@ OLD_COLUMNS = ["call_id", "session_id", "seq", "style", "method", "path", "strea
 def calls(n_sessions: int, turns: int, clients: int):
     """Yields (round, session_id, old row, new record) in the order concurrent clients
     would send them: round-robin over `clients` sessions at a time."""
-    fake = workload.FakeBackend()
+    fake = workload.WorkloadVLLM()
     sessions = workload.make_sessions(n_sessions, prefix="store", turns=turns)
     for start in range(0, n_sessions, clients):
         group = sessions[start:start + clients]
@@ -55,7 +55,7 @@ def calls(n_sessions: int, turns: int, clients: int):
                 mod = adapters.adapter(style)
                 normalized = mod.to_chat(body, s.path)
                 backend_body = backend.to_backend(normalized, "m")
-                status, out = fake.handle("POST", "/v1/chat/completions", orjson.dumps(backend_body))
+                status, out = fake.respond("POST", "/v1/chat/completions", orjson.dumps(backend_body))
                 assert status == 200, out
                 result, tokens = backend.from_backend(orjson.loads(out), normalized)
                 answer = mod.from_chat(result, normalized)

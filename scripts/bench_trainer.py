@@ -29,18 +29,21 @@ import statistics
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from polar_mitm.grpo.advantages import group_advantages, token_weights
 from polar_mitm.grpo.config import BUILDERS
 from polar_mitm.grpo.flops import model_flops, token_cost
 from polar_mitm.grpo.policy import TokenLogprobs
 from polar_mitm.grpo.synthetic import Shape, group
 from polar_mitm.grpo.config import TrainConfig
-from polar_mitm.grpo.step import ProximalLogprobs, StepInputs, prepare_step, run_step
+from polar_mitm.grpo.step import prepare_step, run_step
 from polar_mitm.grpo.trajectories import build
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # the tests' step inputs
+from support.grpo_step import step_inputs  # noqa: E402
 
 ORDER = BUILDERS[::-1]   # per_request first: the baseline the others are measured against
 SMALL_VOCAB = 2048
@@ -133,17 +136,10 @@ def ceilings(workloads: dict[str, dict[str, list]]) -> None:
 def epoch_seconds(lm, calls, builder: str, budget: int) -> tuple[float, int]:
     """One fwd+bwd pass over every call, through the trainer's own step code."""
     cfg = TrainConfig(builder=builder, token_budget=budget)
-    rewards = {c.session_id: c.reward for c in calls}
-    adv_s = group_advantages(rewards, {c.session_id: c.group for c in calls})
-    adv = torch.tensor([adv_s[c.session_id] for c in calls])
-    offsets = [0]
-    for c in calls:
-        offsets.append(offsets[-1] + len(c.tokens))
-    weights = torch.tensor([w for ws in token_weights(calls) for w in ws], dtype=torch.float64)
+    offsets, inputs = step_inputs(calls, torch.float32)
     t0 = time.perf_counter()
     step = prepare_step(calls, list(range(len(calls))), sorted({c.group for c in calls}), offsets, cfg,
                         torch.device("cpu"), 0, 1, lm.config._attn_implementation, lm.dtype)
-    inputs = StepInputs(adv, weights, ProximalLogprobs.unscored(offsets[-1]))
     lm.zero_grad(set_to_none=True)
     run_step(TokenLogprobs(lm), step, inputs, cfg.loss, lambda: torch.autocast("cpu", enabled=False))
     seconds = time.perf_counter() - t0

@@ -1,7 +1,7 @@
 """How busy the model backend is: the gateway node's separate pools with a READY buffer, against
 a naive loop where each worker sets up, runs and evaluates one session after another.
 
-Both arms run in this one process, side by side, on the same sessions: the same fake backend
+Both arms run in this one process, side by side, on the same sessions: the same simulated vLLM
 (RUN-slot-many sequences at once), the same fake harness (a few model calls in a row), and the
 same set-up and evaluation times, drawn from a long-tailed mix (most set-ups are quick, some
 clone a big repo; most evaluations are quick, some run a slow test suite). The pooled arm is
@@ -66,8 +66,10 @@ def draws(n: int, scale: float, seed: int = 7) -> dict[int, Draw]:
             for i in range(n)}
 
 
-class FakeBackend:
-    """Serves `slots` sequences at once; each call takes call_s. Integrates busy time."""
+class SimulatedVLLM:
+    """vLLM's batch as the two arms see it, simulated in this process (no server; the HTTP
+    stand-in is tests/support/fake_vllm.py): it serves `slots` sequences at once, each call
+    takes call_s. Integrates busy time."""
 
     def __init__(self, slots: int, call_s: float):
         self.slots, self.call_s = slots, call_s
@@ -103,13 +105,13 @@ class FakeBackend:
         return self.busy * self.slots / self.any_busy if self.any_busy else 0.0
 
 
-def fake_harness(backend: FakeBackend, d: Draw) -> None:
+def fake_harness(backend: SimulatedVLLM, d: Draw) -> None:
     for _ in range(d.calls):
         backend.call()
 
 
 class FakeSandbox:
-    def __init__(self, backend: FakeBackend, d: Draw):
+    def __init__(self, backend: SimulatedVLLM, d: Draw):
         self.backend, self.d = backend, d
         self.workdir = self.home = Path("/nonexistent")
 
@@ -129,7 +131,7 @@ class FakeSandbox:
 
 
 class FakeRuntime:
-    def __init__(self, backend: FakeBackend, plan: dict[int, Draw]):
+    def __init__(self, backend: SimulatedVLLM, plan: dict[int, Draw]):
         self.backend, self.plan = backend, plan
 
     def prepare(self, session_id, workspace) -> FakeSandbox:
@@ -139,8 +141,8 @@ class FakeRuntime:
 
 
 def pooled(plan: dict[int, Draw], slots: int, call_s: float, init_workers: int,
-           post_workers: int) -> tuple[FakeBackend, float]:
-    backend = FakeBackend(slots, call_s)
+           post_workers: int) -> tuple[SimulatedVLLM, float]:
+    backend = SimulatedVLLM(slots, call_s)
     with tempfile.TemporaryDirectory() as tmp:
         server = RolloutServer(str(Path(tmp) / "bench.duckdb"), flush_s=0.5).start()
         node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=1, ca_path="", init_workers=init_workers,
@@ -159,8 +161,8 @@ def pooled(plan: dict[int, Draw], slots: int, call_s: float, init_workers: int,
     return backend, wall
 
 
-def naive(plan: dict[int, Draw], slots: int, call_s: float) -> tuple[FakeBackend, float]:
-    backend = FakeBackend(slots, call_s)
+def naive(plan: dict[int, Draw], slots: int, call_s: float) -> tuple[SimulatedVLLM, float]:
+    backend = SimulatedVLLM(slots, call_s)
     todo = list(plan.values())
     lock = threading.Lock()
 

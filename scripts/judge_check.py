@@ -103,9 +103,10 @@ def main() -> int:
         backend, stack = args.backend, None
     else:
         from polar_mitm.stack.local import Stack
+        from polar_mitm.stack.vllm import VLLMSettings
         stack = Stack()
         logs = Path(tempfile.mkdtemp(prefix="judge-check-"))
-        backend = stack.start_model(logs, max_model_len=8192)   # as `polar-mitm up` does
+        backend = stack.start_model(logs, VLLMSettings())   # as `polar-mitm up` does
     try:
         single = JudgeSpec(rubric=RUBRIC, max_tokens=args.max_tokens)
         _single(single, transcripts, backend, args.outcome)

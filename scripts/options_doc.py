@@ -1,5 +1,5 @@
 """Writes docs/options.md: the proxy addon's --set options as a table (option, type, default,
-help), taken from the addon itself the way `polar-mitm options` lists them (polar_mitm/cli.py:
+help), taken from the addon itself the way `polar-mitm options` lists them (polar_mitm/cli/main.py:
 the gateway's addons loaded into a mitmproxy test context). tests/project/test_docs.py checks that the
 file equals what this script generates now, so an option added or changed without a rerun
 fails the tests.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command: install (idempotent), lint, type-check, then the whole suite in parallel
 # (pytest-xdist, $POLAR_TEST_WORKERS workers). The real vLLM server is started once, in the
-# background, as soon as the run knows a test needs it (tests/conftest.py); the tests that
+# background, as soon as the run knows a test needs it (tests/support/scheduling.py); the tests that
 # need it run one after another in one worker. Set POLAR_TEST_BACKEND to reuse a server.
 set -euo pipefail
 cd "$(dirname "$0")/.."

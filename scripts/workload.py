@@ -28,10 +28,11 @@ calls as <tool_call> JSON) message by message, so consecutive turns share their 
 and the generated ids are the tokenization of the answer: prompt(t+1) starts with
 prompt(t) + completion(t), as with a real tokenizer and chat template.
 
-Fake backend (`FakeBackend`, `serve`): one asyncio process answering
-  GET /v1/models, POST /tokenize, GET /weight_info (404), POST /v1/chat/completions
-  (vLLM's token-returning format when asked `return_token_ids`/`logprobs`, plain OpenAI
-  otherwise) and POST /v1/messages (Anthropic), all instantly, from the same generator.
+Fake backend (`WorkloadVLLM`, `serve`): the tests' stand-in for vLLM (FakeVLLM) answering
+from this generator, served by one asyncio process: GET /v1/models, POST /tokenize, GET
+/weight_info (404: no dev mode), POST /v1/chat/completions (vLLM's token-returning format
+when asked `return_token_ids`/`logprobs`, plain OpenAI otherwise) and POST /v1/messages
+(Anthropic), all instantly; GET /_fake/counts counts the requests by path.
 """
 
 from __future__ import annotations
@@ -46,8 +47,12 @@ import time
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.fake_vllm import FakeVLLM  # noqa: E402
 
 # ---- tokenizer ------------------------------------------------------------------------
 
@@ -635,69 +640,71 @@ async def _read_body(reader: asyncio.StreamReader, headers: dict[str, str], unti
     return await reader.read() if until_close else b""
 
 
-class FakeBackend:
-    """The fake vLLM / provider server, one asyncio loop (run it in its own process)."""
+class WorkloadVLLM(FakeVLLM):
+    """The stand-in for vLLM (tests/support/fake_vllm.py) answering from this module's
+    generator: vLLM's token-returning completions, the hash tokenizer's /tokenize, and
+    Anthropic's /v1/messages (the direct arm: clients straight to the "provider"). It keeps
+    no bodies, and opens no port of its own: serve() is its transport."""
 
     def __init__(self, max_model_len: int = 131072, model: str = "m"):
-        self.max_model_len, self.model = max_model_len, model
-        self.counts: dict[str, int] = {}
+        super().__init__("scripted", max_model_len=max_model_len, model=model, dev_mode=False,
+                         keep=False, listen=False)
 
-    def handle(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
-        path = path.split("?", 1)[0]
-        self.counts[path] = self.counts.get(path, 0) + 1
-        if method == "GET":
-            if path == "/v1/models":
-                return 200, orjson.dumps({"object": "list", "data": [
-                    {"id": self.model, "object": "model", "created": 0, "owned_by": "vllm", "root": self.model,
-                     "parent": None, "max_model_len": self.max_model_len, "permission": []}]})
-            if path == "/_bench/stats":
-                return 200, orjson.dumps(self.counts)
-            return 404, b'{"detail":"Not Found"}'
-        try:
-            req = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            return 400, b'{"error":{"message":"invalid JSON","type":"BadRequestError"}}'
-        if path == "/v1/chat/completions":
-            return 200, orjson.dumps(vllm_response(req))
-        if path == "/v1/messages":
-            return 200, orjson.dumps(anthropic_response(req))
-        if path == "/tokenize":
-            return 200, orjson.dumps(tokenize_response(req, self.max_model_len))
-        return 404, b'{"detail":"Not Found"}'
+    def answer(self, body: dict) -> dict:
+        return vllm_response(body)
 
-    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        self.counts["connections opened"] = self.counts.get("connections opened", 0) + 1
-        try:
-            while True:
-                head = await _read_head(reader)
-                if head is None:
-                    break
-                line, headers = head
-                method, path, _ = line.split(" ", 2)
-                body = await _read_body(reader, headers)
-                try:
-                    status, out = self.handle(method, path, body)
-                except Exception as e:  # a bug in the fake must show, not hang the bench
-                    status, out = 500, orjson.dumps({"error": {"message": repr(e), "type": "fake"}})
-                close = headers.get("connection", "").lower() == "close"
-                writer.write(f"HTTP/1.1 {status} {_REASONS.get(status, 'X')}\r\ncontent-type: application/json\r\n"
-                             f"content-length: {len(out)}\r\n{'connection: close' + chr(13) + chr(10) if close else ''}"
-                             "\r\n".encode() + out)
-                await writer.drain()
-                if close:
-                    break
-        except (ConnectionError, asyncio.IncompleteReadError, ValueError):
-            pass
-        finally:
-            writer.close()
+    def tokenize(self, body: dict) -> dict:
+        return tokenize_response(body, self.max_model_len)
 
-    async def serve(self, host: str = "127.0.0.1", port: int = 0, ready=None):
-        server = await asyncio.start_server(self._conn, host, port, limit=1 << 24, backlog=1024)
-        port = server.sockets[0].getsockname()[1]
-        if ready:
-            ready(port)
-        async with server:
-            await server.serve_forever()
+    def respond(self, method: str, path: str, raw: bytes) -> tuple[int, bytes]:
+        if method == "POST" and path.partition("?")[0] == "/v1/messages":
+            with self.lock:
+                self.counts["/v1/messages"] = self.counts.get("/v1/messages", 0) + 1
+            try:
+                return 200, orjson.dumps(anthropic_response(orjson.loads(raw)))
+            except orjson.JSONDecodeError:
+                return 400, b'{"error":{"message":"invalid JSON","type":"BadRequestError"}}'
+        return super().respond(method, path, raw)
+
+
+async def _serve_connection(fake: FakeVLLM, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    with fake.lock:
+        fake.counts["connections opened"] = fake.counts.get("connections opened", 0) + 1
+    try:
+        while True:
+            head = await _read_head(reader)
+            if head is None:
+                break
+            line, headers = head
+            method, path, _ = line.split(" ", 2)
+            body = await _read_body(reader, headers)
+            try:
+                status, out = fake.respond(method, path, body)
+            except Exception as e:  # a bug in the fake must show, not hang the bench
+                status, out = 500, orjson.dumps({"error": {"message": repr(e), "type": "fake"}})
+            close = headers.get("connection", "").lower() == "close"
+            writer.write(f"HTTP/1.1 {status} {_REASONS.get(status, 'X')}\r\ncontent-type: application/json\r\n"
+                         f"content-length: {len(out)}\r\n{'connection: close' + chr(13) + chr(10) if close else ''}"
+                         "\r\n".encode() + out)
+            await writer.drain()
+            if close:
+                break
+    except (ConnectionError, asyncio.IncompleteReadError, ValueError):
+        pass
+    finally:
+        writer.close()
+
+
+async def serve(fake: FakeVLLM, host: str = "127.0.0.1", port: int = 0, ready=None):
+    """fake's answers (instant ones: respond() blocks the loop while it sleeps) from one
+    asyncio loop, keep-alive HTTP/1.1: little CPU per call, in a process of its own."""
+    server = await asyncio.start_server(lambda r, w: _serve_connection(fake, r, w), host, port,
+                                        limit=1 << 24, backlog=1024)
+    port = server.sockets[0].getsockname()[1]
+    if ready:
+        ready(port)
+    async with server:
+        await server.serve_forever()
 
 
 class HttpConn:
@@ -861,7 +868,7 @@ def main(argv=None):
         def ready(port):
             print(f"port {port}", flush=True)
         try:
-            asyncio.run(FakeBackend(args.max_model_len).serve(port=args.port, ready=ready))
+            asyncio.run(serve(WorkloadVLLM(args.max_model_len), port=args.port, ready=ready))
         except KeyboardInterrupt:
             pass
     elif args.cmd == "show":

@@ -15,8 +15,9 @@ from polar_mitm.adapters import backend
 from polar_mitm.adapters.chat import AdapterError
 
 from .backend_http import BackendHTTP, HTTPError, HTTPTimeout
+from .http_json import JSON_HEADERS
+from .sync_report import SwapSeconds, SwapStep
 
-_JSON = {"content-type": "application/json"}
 
 
 class BackendUnavailable(AdapterError):
@@ -133,7 +134,7 @@ class BackendClient:
         if isinstance(body, dict):
             body = orjson.dumps(body)
         try:
-            resp = await self._http().request("POST", path, body, _JSON)
+            resp = await self._http().request("POST", path, body, JSON_HEADERS)
         except HTTPTimeout:
             raise BackendTimeout(f"the model backend did not answer within {self.timeout}s") from None
         except HTTPError as e:
@@ -158,16 +159,16 @@ class BackendClient:
             raise BackendUnavailable("the model backend is unavailable (no model list)") from None
         return wanted
 
-    async def swap_weights(self, checkpoint: str, version: int, wake: bool = False) -> dict[str, float]:
+    async def swap_weights(self, checkpoint: str, version: int, wake: bool = False) -> SwapSeconds:
         """vLLM (dev mode) reloads the checkpoint in place, forgets its prefix cache (keys
         and values of the old weights) and takes the version as its own tag. wake: it slept
         (sleep() below): its weights' memory comes back first, the reload fills it, and
         only then its KV cache's, so the two never peak together."""
-        steps: list[tuple[str, str, dict[str, Any]]] = [("wake", "/wake_up?tags=weights", {})] if wake else []
+        steps: list[tuple[SwapStep, str, dict[str, Any]]] = [("wake", "/wake_up?tags=weights", {})] if wake else []
         steps += [("reload", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": checkpoint}})]
         steps += [("wake", "/wake_up?tags=kv_cache", {})] if wake else []
         steps += [("reset", "/reset_prefix_cache", {}), ("reset", "/update_weight_version", {"new_version": weight_tag(version)})]
-        seconds: dict[str, float] = {}
+        seconds = SwapSeconds()
         for i, (step, path, body) in enumerate(steps):
             t0 = time.monotonic()
             try:
@@ -178,7 +179,7 @@ class BackendClient:
                 # reloaded them.
                 e.weights_untouched = i == 0 and isinstance(e, backend.BackendError)   # type: ignore[attr-defined]
                 raise
-            seconds[f"{step}_s"] = seconds.get(f"{step}_s", 0.0) + time.monotonic() - t0
+            seconds.add(step, time.monotonic() - t0)
         return seconds
 
     async def weight_version(self, http: BackendHTTP | None = None) -> str | None:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import logging
 
-import orjson
 from mitmproxy import ctx, exceptions, http
 from mitmproxy.proxy import commands, events, layer, mode_specs
 from mitmproxy.proxy.layers import DNSLayer, RawQuicLayer, TCPLayer, UDPLayer
+
+from .http_json import internal_error
 
 log = logging.getLogger("polar")
 
@@ -78,9 +79,7 @@ class Unanswered:
     def request(self, flow: http.HTTPFlow):
         if flow.response is None and (flow.request.host, flow.request.port) not in self.local_addresses():
             log.error("polar: no addon answered %s %s", flow.request.method, flow.request.pretty_url)
-            flow.response = http.Response.make(500, orjson.dumps(
-                {"error": {"message": "polar-mitm internal error", "type": "api_error"}}),
-                {"content-type": "application/json"})
+            flow.response = internal_error()
 
 
 class Refused(layer.Layer):

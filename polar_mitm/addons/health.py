@@ -14,6 +14,7 @@ from polar_mitm.adapters.detect import split_path
 
 from . import sessions
 from .control import Control
+from .http_json import JSON_HEADERS
 from .model_calls import ModelCalls
 from .policy_gate import PolicyGate
 from .recorder import Recorder
@@ -22,7 +23,6 @@ from .weight_sync import VersionWatch
 
 HEALTH_PATH = "/_polar/health"
 HEALTH_TOKEN_NEEDED = "the health check needs the proxy's control token"
-_JSON = {"content-type": "application/json"}
 
 
 class Health:
@@ -36,9 +36,9 @@ class Health:
             return
         if self.control.token and not self.control.authorized(flow):
             flow.response = http.Response.make(403, orjson.dumps(
-                {"error": {"message": HEALTH_TOKEN_NEEDED}}), _JSON)
+                {"error": {"message": HEALTH_TOKEN_NEEDED}}), JSON_HEADERS)
         else:
-            flow.response = http.Response.make(200, orjson.dumps(self.report()), _JSON)
+            flow.response = http.Response.make(200, orjson.dumps(self.report()), JSON_HEADERS)
         # mitmdump prints the URL of every flow: a ?key= secret must not reach its log.
         flow.request.path = sessions.redact_query(flow.request.path)
 

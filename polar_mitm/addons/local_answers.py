@@ -17,10 +17,10 @@ from polar_mitm.adapters.detect import is_count_tokens, split_path
 from . import sessions
 from .backend_client import BackendClient
 from .bodies import is_websocket
+from .http_json import JSON_HEADERS
 from .model_calls import ModelCalls, read_body
 from .relay import META
 
-_JSON = {"content-type": "application/json"}
 
 
 class LocalAnswers:
@@ -41,17 +41,17 @@ class LocalAnswers:
         path, _ = split_path(req.path)
         if is_websocket(req):
             # Codex tries Responses-over-WebSocket first and falls back to HTTPS on 404.
-            flow.response = http.Response.make(404, b'{"error": "websocket transport not offered"}', _JSON)
+            flow.response = http.Response.make(404, b'{"error": "websocket transport not offered"}', JSON_HEADERS)
         elif req.method == "POST" and is_count_tokens(path):
             body, _ = read_body(req, self.model_calls.max_body)
             flow.response = await self._count_tokens(req, body) if isinstance(body, dict) \
-                else http.Response.make(400, b'{"error": "request body must be a JSON object"}', _JSON)
+                else http.Response.make(400, b'{"error": "request body must be a JSON object"}', JSON_HEADERS)
         elif req.method == "GET" and path.endswith("/models"):
-            flow.response = http.Response.make(200, orjson.dumps(await self._model_list(path)), _JSON)
+            flow.response = http.Response.make(200, orjson.dumps(await self._model_list(path)), JSON_HEADERS)
         elif req.method in ("HEAD", "OPTIONS"):
             flow.response = http.Response.make(200, b"")
         elif req.method == "GET":
-            flow.response = http.Response.make(404, b'{"error": "not found"}', _JSON)
+            flow.response = http.Response.make(404, b'{"error": "not found"}', JSON_HEADERS)
         else:
             flow.response = http.Response.make(204, b"")
 
@@ -81,6 +81,6 @@ class LocalAnswers:
             count = await self.backend.tokenize(backend.to_backend(normalized, served))
         except AdapterError as e:   # the backend's failures included, as the client's error
             status = adapter.OVERLOADED_STATUS if e.kind == "overloaded" else e.status
-            return http.Response.make(status, orjson.dumps(adapter.error(status, str(e), e.kind)), _JSON)
+            return http.Response.make(status, orjson.dumps(adapter.error(status, str(e), e.kind)), JSON_HEADERS)
         answer = {"totalTokens": count} if style == "google" else {"input_tokens": count}
-        return http.Response.make(200, orjson.dumps(answer), _JSON)
+        return http.Response.make(200, orjson.dumps(answer), JSON_HEADERS)

@@ -14,7 +14,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import orjson
 from mitmproxy import ctx, exceptions, http
@@ -25,21 +25,20 @@ from polar_mitm import adapters
 from polar_mitm.adapters import Adapter, backend
 from polar_mitm.adapters.chat import AdapterError, ChatRequest
 from polar_mitm.adapters.detect import is_count_tokens, split_path
-from polar_mitm.store import CallRecord, SessionInfo
+from polar_mitm.store import SessionInfo
 
-from . import sessions
+from . import option_values, sessions
 from .backend_client import BackendClient
+from .bodies import BodyTooLarge, decoded_body, depth_ok, has_image, header_dict, is_websocket, MAX_BODY_DEPTH
+from .call_outcome import Answer, Dispatch, Failed, Outcome, RequestFacts, Served, Waits, call_record
 from .control import Control
-from .bodies import (BodyTooLarge, bounded, decoded_body, depth_ok, has_image, header_dict, is_websocket,
-                     MAX_BODY_DEPTH)
+from .http_json import JSON_HEADERS, internal_error
 from .policy_gate import PolicyGate
 from .proxy_users import ProxyUsers
 from .recorder import Recorder
 from .relay import StreamRelay
 
 log = logging.getLogger("polar")
-
-_JSON = {"content-type": "application/json"}
 
 # Bytes a chat template adds around the messages (roles, tool instructions); the messages'
 # JSON is otherwise longer than their rendered text.
@@ -86,23 +85,31 @@ def read_body(req: http.Request, limit: int) -> tuple[Any, bytes | None]:
         return None, raw   # kept as sent; the call is a 400
 
 
-class Answer(NamedTuple):
-    status: int
-    content: bytes
-    headers: dict[str, str]
-
-
 @dataclass
 class Call:
-    """One model call in flight: its flow, provider and session, its record (filled in as
-    the call goes), and the adapter's translation of its body."""
+    """One model call in flight: its flow, provider and session, what its request says, and
+    the adapter's translation of its body. Its record is made once, from its outcome."""
     flow: http.HTTPFlow
     adapter: Adapter
     session: SessionInfo
-    record: CallRecord
+    facts: RequestFacts
     t0: float                              # perf_counter at its start: total_ms runs from it
-    request: ChatRequest | None = None     # None: the body could not be translated ...
+    # The body in the chat shape; once vLLM's request is made, without the conversation (the
+    # answer is made without it). None: the body could not be translated ...
+    request: ChatRequest | None = None
     rejected: Exception | None = None      # ... for this reason, answered as a failure
+    # The response id a keepalive's opening events named, set as the relay takes the call over
+    # (before its answer is made): the answer keeps it.
+    keepalive_id: str | None = None
+
+    def answering(self) -> ChatRequest:
+        """The request the answer is made from: the keepalive's response id included."""
+        assert self.request is not None
+        if self.keepalive_id is None:
+            return self.request
+        named = self.request.copy()
+        named["response_id"] = self.keepalive_id
+        return named
 
 
 def translate(adapter: Adapter, body: Any, path: str) -> ChatRequest:
@@ -173,14 +180,7 @@ class ModelCalls:
 
     def configure(self, updated: set[str]) -> None:
         if "polar_max_body" in updated:
-            try:
-                limit = human.parse_size(ctx.options.polar_max_body)
-            except ValueError:
-                limit = None
-            if not limit or limit <= 0:
-                raise exceptions.OptionsError(
-                    f"polar_max_body: expected a size like 64m, got {ctx.options.polar_max_body!r}")
-            self.max_body = limit
+            self.max_body = option_values.size("polar_max_body", ctx.options.polar_max_body)
         if ("polar_max_body" in updated or "body_size_limit" in updated) and "body_size_limit" in ctx.options:
             # mitmproxy stops reading a larger body itself (its own 413), so memory stays bounded.
             current = human.parse_size(ctx.options.body_size_limit)
@@ -198,14 +198,7 @@ class ModelCalls:
                 except re.error as e:
                     raise exceptions.OptionsError(f"{name}: {e}") from None
         if "polar_stream_keepalive" in updated:
-            try:
-                seconds = float(ctx.options.polar_stream_keepalive)
-            except ValueError:
-                seconds = -1.0
-            if not 0 <= seconds < 3600:
-                raise exceptions.OptionsError("polar_stream_keepalive: seconds from 0 (off) to 3600, "
-                                              f"got {ctx.options.polar_stream_keepalive!r}")
-            self.keepalive = seconds
+            self.keepalive = option_values.seconds("polar_stream_keepalive", ctx.options.polar_stream_keepalive)
 
     async def running(self) -> None:
         gc.freeze()   # what start-up made lives on: later collections need not scan it
@@ -223,8 +216,7 @@ class ModelCalls:
             await self._route(flow)
         except Exception:  # a bug: answered here, so no other addon mistakes it for telemetry
             log.exception("polar: unexpected error")
-            flow.response = http.Response.make(500, orjson.dumps(
-                {"error": {"message": "polar-mitm internal error", "type": "api_error"}}), _JSON)
+            flow.response = internal_error()
 
     async def _route(self, flow: http.HTTPFlow) -> None:
         req = flow.request
@@ -242,14 +234,14 @@ class ModelCalls:
             return
         call = self.begin(flow, style, body, text, query, claim.session)
         answer = asyncio.ensure_future(self.finish(call, body))
-        del body   # the call holds it only as long as it needs it (see _serve)
-        request = call.request
-        if self.keepalive and self.relay.address and request is not None and request["stream"]:
+        del body   # the call holds it only as long as it needs it (see _outcome)
+        if self.keepalive and self.relay.address and call.facts.stream:
             done, _ = await asyncio.wait({answer}, timeout=self.keepalive)
             if not done:
                 # The answer is not made yet (the backend is still generating): it takes this
                 # id, so the keepalive's opening events and the answer name one response.
-                request["response_id"] = "resp_" + new_id().replace("-", "")
+                call.keepalive_id = "resp_" + new_id().replace("-", "")
+                request = call.answering()
                 self.relay.hand_over(flow, answer, call.adapter.stream_content_type(request), self.keepalive,
                                      call.adapter.stream_keepalive(request, int(time.time())))
                 return
@@ -281,7 +273,8 @@ class ModelCalls:
                         claim.session.session_id[:200], claim.session.client, self.control.refused)
         adapter = adapters.adapter(style)
         message = "this call does not carry the credential of the session it names (polar_session_auth)"
-        flow.response = http.Response.make(403, orjson.dumps(adapter.error(403, message, "authentication")), _JSON)
+        flow.response = http.Response.make(403, orjson.dumps(adapter.error(403, message, "authentication")),
+                                           JSON_HEADERS)
         return True
 
     def may_be_model_call(self, req: http.Request) -> bool:
@@ -293,125 +286,129 @@ class ModelCalls:
 
     def begin(self, flow: http.HTTPFlow, style: str, body: Any, text: bytes | None, query: str,
               session: SessionInfo | None = None) -> Call:
-        """A call's start: its session, its record, and its body in the chat shape (a body
-        that has none is the call's failure, which finish answers and records)."""
+        """A call's start: its session, what its request says, and its body in the chat shape
+        (a body that has none is the call's failure, which finish answers and records)."""
         t0 = time.perf_counter()
         adapter = adapters.adapter(style)
         req = flow.request
         session = session or self._session(flow, query)
-        record = CallRecord(call_id=new_id(), style=style, method=req.method,
-                            path=sessions.redact_query(req.path), started_at=time.time(),
-                            # The harness's bytes as sent: the conversation is stored once, and
-                            # its normalized form is what the pure adapters make of it.
-                            request_text=(f"<request body not kept: {body}>" if isinstance(body, AdapterError)
-                                          else text if text is not None else b""),
-                            queue_ms=0.0, backend_ms=0.0)
-        call = Call(flow, adapter, session, record, t0)
+        request: ChatRequest | None = None
+        rejected: Exception | None = None
         try:
-            call.request = translate(adapter, body, req.path)
+            request = translate(adapter, body, req.path)
         except Exception as e:   # answered and recorded like any failure, in finish
-            call.rejected = e
-        else:
-            record.stream = call.request["stream"]
-            record.requested_model = call.request["model"]
-            record.dropped = call.request["dropped"]
-        return call
+            rejected = e
+        facts = RequestFacts(
+            call_id=new_id(), style=style, method=req.method, path=sessions.redact_query(req.path),
+            started_at=time.time(),
+            request_text=(f"<request body not kept: {body}>" if isinstance(body, AdapterError)
+                          else text if text is not None else b""),
+            stream=request["stream"] if request is not None else None,
+            requested_model=request["model"] if request is not None else None,
+            dropped=request["dropped"] if request is not None else None)
+        return Call(flow, adapter, session, facts, t0, request, rejected)
 
     async def finish(self, call: Call, body: Any) -> Answer:
         """The answer, recorded before it is returned. Never raises: failures are answers in
         the client's error format."""
-        record = call.record
-        serve = self._serve(call, body)
+        outcome = self._outcome(call, body)
         del body
-        try:
-            answer = await serve
-        except Exception as e:  # recorded like any failure; the harness gets its own error shape
-            if not isinstance(e, AdapterError):
-                log.exception("polar: unexpected error in a model call")
-            answer = self._failed(call, e)
-        if record.error is None and call.flow.client_conn.timestamp_end is not None:
-            # The harness gave up (its timeout, or it was stopped): kept, never trained on.
-            record.error, record.error_kind = "the client went away before the answer", "abandoned"
+        done = await outcome
+        # The harness gave up (its timeout, or it was stopped): kept, never trained on.
+        record = call_record(call.facts, done, abandoned=call.flow.client_conn.timestamp_end is not None)
+        answer = done.answer
         try:
             await self.recorder.record(call.session, record, call.t0)
         except Exception as e:  # not recorded -> not acknowledged: the harness retries
             log.error("polar: could not record call: %s", e)
             status = call.adapter.OVERLOADED_STATUS
             answer = Answer(status, orjson.dumps(call.adapter.error(status, f"recording failed: {e}", "overloaded")),
-                            dict(_JSON))
+                            dict(JSON_HEADERS))
         self.calls += 1
         return answer
 
+    async def _outcome(self, call: Call, body: Any) -> Outcome:
+        """What became of the call: served by the backend, or failed with what it had reached
+        (what vLLM was asked, how long it waited). Never raises."""
+        if call.request is None:   # the body has no chat shape: that is the call's failure
+            return self._failed(call, call.rejected or AdapterError("request body must be a JSON object"))
+        dispatch: Dispatch | None = None
+        try:
+            dispatch, backend_body = await self._dispatch(call, call.request)
+            payload = orjson.dumps(backend_body)
+        except (RecursionError, orjson.JSONEncodeError) as e:
+            return self._failed(call, unforwardable(body, e), dispatch)
+        except Exception as e:
+            return self._failed(call, e, dispatch)
+        # While the backend generates, a call in flight keeps its bytes as sent (mitmproxy's
+        # and the log's) and the request as the backend got it, not the parsed conversation
+        # as well: 11 MB less at 64 clients (tracemalloc's peak, 58 -> 47 MB).
+        del body, backend_body
+        without_conversation = call.request.copy()
+        without_conversation["messages"] = []
+        call.request = without_conversation
+        queue_ms = backend_ms = 0.0
+        try:
+            slots = self.backend.slots
+            q0 = time.perf_counter()
+            # Inside the gate the weights cannot change: a sync waits for this call, and a call
+            # that arrives during a sync waits for it (queue_ms counts both waits).
+            async with self.gate.call() as ticket:
+                if slots:
+                    await slots.acquire()
+                try:
+                    b0 = time.perf_counter()
+                    queue_ms = (b0 - q0) * 1000
+                    resp_json, prompt_ids = await self.backend.complete(payload)
+                    backend_ms = (time.perf_counter() - b0) * 1000
+                finally:
+                    if slots:
+                        slots.release()
+            return self._served(call, resp_json, prompt_ids, dispatch, Waits(queue_ms, backend_ms), ticket.version)
+        except Exception as e:
+            return self._failed(call, e, dispatch, Waits(queue_ms, backend_ms))
+
+    async def _dispatch(self, call: Call, request: ChatRequest) -> tuple[Dispatch, dict[str, Any]]:
+        """What vLLM is asked for, and the request it gets."""
+        served = await self.backend.served()
+        backend_body = backend.to_backend(request, served, self.overrides, self.backend.max_model_len,
+                                          harness_sampling=self.harness_sampling)
+        await self._fit_max_tokens(backend_body, call.session.session_id, len(call.facts.request_text))
+        params = {k: v for k, v in backend_body.items() if k not in ("messages", "tools")}
+        params["harness"] = backend.requested_sampling(request)
+        return Dispatch(served, params), backend_body
+
+    def _served(self, call: Call, resp_json: Any, prompt_ids: bytes | None, dispatch: Dispatch, waits: Waits,
+                version: int | None) -> Served:
+        """vLLM's answer in the client's format."""
+        request = call.answering()
+        result, tokens = backend.from_backend(resp_json, request)
+        answer = call.adapter.from_chat(result, request)
+        usage = result["usage"]
+        self._prompt_sizes[call.session.session_id] = (len(call.facts.request_text), usage["prompt_tokens"])
+        if len(self._prompt_sizes) > 10_000:
+            self._prompt_sizes.pop(next(iter(self._prompt_sizes)))
+        if request["stream"]:
+            sent = Answer(200, b"".join(call.adapter.stream(result, request)), {
+                "content-type": call.adapter.stream_content_type(request), "cache-control": "no-cache"})
+        else:
+            sent = Answer(200, orjson.dumps(answer), dict(JSON_HEADERS))
+        return Served(sent, answer, dispatch, waits, version, prompt_ids or b"[]", tokens["token_ids"],
+                      tokens["logprobs"], result["finish_reason"], usage)
+
     @staticmethod
-    def _failed(call: Call, e: Exception) -> Answer:
-        """A failed call's answer in the client's error format, and its record."""
+    def _failed(call: Call, e: Exception, dispatch: Dispatch | None = None, waits: Waits = Waits()) -> Failed:
+        """A failed call's answer in the client's error format."""
+        if not isinstance(e, AdapterError):
+            log.error("polar: unexpected error in a model call", exc_info=e)
         status, kind = (e.status, e.kind) if isinstance(e, AdapterError) else (500, "backend_error")
         if kind == "overloaded":
             status = call.adapter.OVERLOADED_STATUS
         # A bug's Python text goes to the log and the record, not to the harness.
         message = (str(e) or type(e).__name__) if isinstance(e, AdapterError) else "polar-mitm internal error"
         answer = call.adapter.error(status, message, kind)
-        record = call.record
-        record.status_code, record.response_json = status, answer
-        record.error, record.error_kind = str(e)[:2000] or repr(e), kind
-        if record.prompt_token_ids is None:   # rejected before any tokens: keep a bounded head
-            record.request_text = bounded(record.request_text or b"")
-        return Answer(status, orjson.dumps(answer), dict(_JSON))
-
-    async def _serve(self, call: Call, body: Any) -> Answer:
-        """Complete on the backend and answer in the client's format; fills the record."""
-        normalized, record, session_id = call.request, call.record, call.session.session_id
-        if normalized is None:   # the body has no chat shape: that is the call's failure
-            raise call.rejected or AdapterError("request body must be a JSON object")
-        text_len = len(record.request_text or b"")
-        try:
-            served = await self.backend.served()
-            backend_body = backend.to_backend(normalized, served, self.overrides, self.backend.max_model_len,
-                                              harness_sampling=self.harness_sampling)
-            await self._fit_max_tokens(backend_body, session_id, text_len)
-            # What vLLM got besides the conversation (sampling, max_tokens as fitted, flags),
-            # and under `harness` what the harness asked for its sampling.
-            params = {k: v for k, v in backend_body.items() if k not in ("messages", "tools")}
-            params["harness"] = backend.requested_sampling(normalized)
-            record.served_model, record.backend_params = served, params
-            payload = orjson.dumps(backend_body)
-        except (RecursionError, orjson.JSONEncodeError) as e:
-            raise unforwardable(body, e) from None
-        # While the backend generates, a call in flight keeps its bytes as sent (mitmproxy's
-        # and the log's) and the request as the backend got it, not the parsed conversation
-        # as well: 11 MB less at 64 clients (tracemalloc's peak, 58 -> 47 MB).
-        del body, backend_body
-        normalized["messages"] = []
-        slots = self.backend.slots
-        q0 = time.perf_counter()
-        # Inside the gate the weights cannot change: a sync waits for this call, and a call
-        # that arrives during a sync waits for it (queue_ms counts both waits).
-        async with self.gate.call() as ticket:
-            if slots:
-                await slots.acquire()
-            try:
-                b0 = time.perf_counter()
-                record.queue_ms = (b0 - q0) * 1000
-                resp_json, prompt_ids = await self.backend.complete(payload)
-                record.backend_ms = (time.perf_counter() - b0) * 1000
-            finally:
-                if slots:
-                    slots.release()
-        result, tokens = backend.from_backend(resp_json, normalized)
-        answer = call.adapter.from_chat(result, normalized)
-        usage = result["usage"]
-        self._prompt_sizes[session_id] = (text_len, usage["prompt_tokens"])
-        if len(self._prompt_sizes) > 10_000:
-            self._prompt_sizes.pop(next(iter(self._prompt_sizes)))
-        record.status_code, record.response_json, record.policy_version = 200, answer, ticket.version
-        record.prompt_token_ids = prompt_ids or b"[]"
-        record.token_ids, record.logprobs = tokens["token_ids"], tokens["logprobs"]
-        record.finish_reason, record.usage_json = result["finish_reason"], usage
-        record.prompt_tokens, record.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
-        if normalized["stream"]:
-            return Answer(200, b"".join(call.adapter.stream(result, normalized)), {
-                "content-type": call.adapter.stream_content_type(normalized), "cache-control": "no-cache"})
-        return Answer(200, orjson.dumps(answer), dict(_JSON))
+        return Failed(Answer(status, orjson.dumps(answer), dict(JSON_HEADERS)), answer, str(e)[:2000] or repr(e),
+                      kind, dispatch, waits)
 
     async def _fit_max_tokens(self, body: dict[str, Any], session_id: str, text_len: int) -> None:
         """Caps max_tokens at what the context leaves after the prompt: some vLLM versions

@@ -22,6 +22,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+from .sync_report import SwapSeconds, SyncReport
+
 
 @dataclass
 class Ticket:
@@ -29,18 +31,6 @@ class Ticket:
     cannot vouch for it (read it once the call is answered: a loss during the call clears it)."""
     version: int | None
     epoch: int
-
-
-@dataclass
-class SyncReport:
-    version: int
-    checkpoint: str | None
-    held: int          # calls that arrived during the sync and waited for it
-    drained: int       # calls in flight when it began, let finish first
-    drain_s: float
-    swap_s: float
-    total_s: float
-    steps: dict | None = None   # the swap's own split (wake_s, reload_s, reset_s), as it gives one
 
 
 class PolicyGate:
@@ -142,12 +132,12 @@ class PolicyGate:
         held, drained, _, drain_s, sleep_s = await self._while_held(go)
         return SyncReport(self.version, self.checkpoint, held, drained, drain_s, sleep_s, drain_s + sleep_s)
 
-    async def sync(self, swap: Callable[[bool], Awaitable[dict | None]], version: int,
+    async def sync(self, swap: Callable[[bool], Awaitable[SwapSeconds | None]], version: int,
                    checkpoint: str | None = None) -> SyncReport:
         """Hold, drain, swap (waking the backend if it sleeps), set the version, release. If
         the swap fails the old version stays in force (and the error is raised), and a
         sleeping backend keeps the calls held."""
-        async def go() -> dict | None:
+        async def go() -> SwapSeconds | None:
             try:
                 steps = await swap(self.asleep)
             except BaseException as e:

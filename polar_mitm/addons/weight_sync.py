@@ -27,25 +27,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import asdict
 
 import orjson
-from mitmproxy import ctx, exceptions, http
+from mitmproxy import ctx, http
 
 from polar_mitm.adapters.chat import AdapterError
 from polar_mitm.adapters.detect import split_path
 
+from . import option_values
 from .backend_client import BackendClient, NoWeightInfo, untagged, weight_tag
 from .backend_http import BackendHTTP
 from .control import Control
+from .http_json import JSON_HEADERS
 from .policy_gate import PolicyGate
+from .sync_report import SwapSeconds
 
 log = logging.getLogger("polar")
 
 SYNC_PATH = "/_polar/sync"
 SLEEP_PATH = "/_polar/sleep"
 VERIFY_PATH = "/_polar/verify"
-_JSON = {"content-type": "application/json"}
 
 
 class VersionWatch:
@@ -137,7 +138,7 @@ class VersionWatch:
         await self.backend.set_weight_version(self.gate.version)
         self.expected = weight_tag(self.gate.version)
 
-    async def swap(self, checkpoint: str, version: int, wake: bool) -> dict[str, float]:
+    async def swap(self, checkpoint: str, version: int, wake: bool) -> SwapSeconds:
         """vLLM reloads checkpoint, tagged as version: the tag the watch expects from then on."""
         steps = await self.backend.swap_weights(checkpoint, version, wake)
         self.expected = weight_tag(version)
@@ -243,24 +244,13 @@ class WeightSync:
 
     def configure(self, updated):
         if "polar_policy_version" in updated:
-            try:
-                version = int(ctx.options.polar_policy_version)
-            except ValueError:
-                raise exceptions.OptionsError("polar_policy_version: expected an integer, got "
-                                              f"{ctx.options.polar_policy_version!r}") from None
+            version = option_values.integer("polar_policy_version", ctx.options.polar_policy_version)
             if self.syncs == 0:   # a sync's version is not undone by a later --set
                 self.gate.version = version
         if "polar_policy_checkpoint" in updated and self.syncs == 0:
             self.gate.checkpoint = ctx.options.polar_policy_checkpoint or None
         if "polar_version_check" in updated:
-            try:
-                every = float(ctx.options.polar_version_check)
-            except ValueError:
-                every = -1.0
-            if not 0 <= every <= 3600:
-                raise exceptions.OptionsError("polar_version_check: seconds from 0 (off) to 3600, "
-                                              f"got {ctx.options.polar_version_check!r}")
-            self.check_every = every
+            self.check_every = option_values.seconds("polar_version_check", ctx.options.polar_version_check)
 
     async def running(self) -> None:
         if not self.check_every:
@@ -296,7 +286,7 @@ class WeightSync:
         state = await self.watch.check()
         body = {"state": state, "verified": self.gate.verified, "epoch": self.gate.epoch,
                 "losses": self.gate.losses, "version": self.gate.version, "error": self.watch.error}
-        return http.Response.make(200, orjson.dumps(body), _JSON)
+        return http.Response.make(200, orjson.dumps(body), JSON_HEADERS)
 
     async def _sleep(self, req: http.Request) -> http.Response:
         try:
@@ -311,7 +301,7 @@ class WeightSync:
             log.error("polar: putting the backend to sleep failed: %s", e)
             return _error(502, f"the backend did not sleep; version {self.gate.version} still serves: {e}")
         log.info("polar: the backend sleeps (level %d); calls are held until the next sync", level)
-        return http.Response.make(200, orjson.dumps(asdict(report)), _JSON)
+        return http.Response.make(200, orjson.dumps(report.as_json()), JSON_HEADERS)
 
     async def _sync(self, req: http.Request) -> http.Response:
         try:
@@ -344,8 +334,8 @@ class WeightSync:
         self.syncs += 1
         log.info("polar: policy version %d from %s (held %d calls, drained %d in %.2fs, swap %.2fs)",
                  version, checkpoint, report.held, report.drained, report.drain_s, report.swap_s)
-        return http.Response.make(200, orjson.dumps(asdict(report)), _JSON)
+        return http.Response.make(200, orjson.dumps(report.as_json()), JSON_HEADERS)
 
 
 def _error(status: int, message: str) -> http.Response:
-    return http.Response.make(status, orjson.dumps({"error": {"message": message}}), _JSON)
+    return http.Response.make(status, orjson.dumps({"error": {"message": message}}), JSON_HEADERS)

@@ -7,7 +7,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,11 +14,12 @@ import click
 
 from ..stack import launch
 from ..models import cache_dir
-from .params import (MAX_TOKENS_OR_NONE, PORT, PORT_OR_ANY, check_model_dir, check_port_free, db_file,
-                         server_root)
+from .params import (MAX_TOKENS_OR_NONE, PORT, PORT_OR_ANY, backend_option, check_model_dir, check_port_free,
+                     db_file, db_option)
 from .rollout import register as register_rollout
-from .lifecycle import interrupted_exit_code, stop_on_sigterm
+from .lifecycle import LongRunning
 from ..stack.local import Stack
+from ..stack.vllm import VLLMSettings, vllm_options
 from ..store import export_parquet, query
 from ..loop.trackers import report_to_option
 
@@ -168,53 +168,43 @@ def addon_path():
 
 
 @main.command()
-@click.option("--db", default="rollouts.duckdb", show_default=True, callback=db_file)
-@click.option("--backend", default="", callback=server_root,
-              help="Use this vLLM server (its root URL) instead of starting the default model")
+@db_option
+@backend_option()
 @click.option("--port", default=8080, show_default=True, type=PORT, help="Regular (HTTPS_PROXY) listener")
 @click.option("--reverse-port", default=8081, show_default=True, type=PORT_OR_ANY,
               help="Base-URL (reverse) listener (0: none)")
 @click.option("--confdir", default=os.path.expanduser("~/.mitmproxy"), show_default=True)
-@click.option("--max-model-len", default=8192, show_default=True)
 @click.option("--model", default="", help="Serve this model directory (a polar-train checkpoint) instead of the default")
-@click.option("--dtype", default="float32", show_default=True, help="vLLM's dtype (the trainer's by default)")
+@vllm_options
 @click.option("--session-auth", is_flag=True,
               help="Store a call only with its session's credential (`polar-mitm credential NAME`); "
                    "the control token goes to CONFDIR/control-token")
-def up(db, backend, port, reverse_port, confdir, max_model_len, model, dtype, session_auth):
+def up(db, backend, port, reverse_port, confdir, model, vllm, session_auth):
     """Start vLLM (unless --backend) and the proxy; stop with Ctrl-C or SIGTERM.
 
     Exit status: 130 after Ctrl-C, 143 after SIGTERM (as `node` and `rollout-server`); 1 when
     a service it started stopped by itself."""
-    stop_on_sigterm()
-    if reverse_port == port:
-        raise click.BadParameter(f"{port} is --port already", param_hint="'--reverse-port'")
-    check_port_free(port)
-    check_port_free(reverse_port, option="--reverse-port")
-    if model and not backend:
-        check_model_dir(model)
-    logs = cache_dir() / "logs"
-    logs.mkdir(mode=0o700, parents=True, exist_ok=True)
-    token = new_control_token(Path(confdir)) if session_auth else None
-    with Stack() as stack:
-        backend = stack.start_gateway(db, backend, port, reverse_port, confdir, logs, max_model_len,
-                                      model=model, dtype=dtype, control_token=token)
-        try:
-            click.echo(f"proxy ready: backend {backend}, database {db}\nharness environment:")
-            for k, v in launch.proxy_env(port, confdir).items():
-                click.echo(f"  export {k}={v}")
-            if token:
-                click.echo(f"session credentials are checked: `polar-mitm credential NAME --confdir {confdir}` "
-                           "gives a session's proxy URL and API key")
-            click.echo(f"or point a base URL at http://127.0.0.1:{reverse_port}")
-            while not stack.dead():
-                time.sleep(1)
-        except KeyboardInterrupt as e:
-            code = interrupted_exit_code(e)
-        else:
-            click.echo(f"stopped: {stack.why_dead()}", err=True)
-            code = 1
-    sys.exit(code)
+    with LongRunning() as life:
+        if reverse_port == port:
+            raise click.BadParameter(f"{port} is --port already", param_hint="'--reverse-port'")
+        check_port_free(port)
+        check_port_free(reverse_port, option="--reverse-port")
+        if model and not backend:
+            check_model_dir(model)
+        logs = cache_dir() / "logs"
+        logs.mkdir(mode=0o700, parents=True, exist_ok=True)
+        token = new_control_token(Path(confdir)) if session_auth else None
+        stack = life.stops(Stack())
+        backend = stack.start_gateway(db, backend, port, reverse_port, confdir, logs, vllm,
+                                      model=model, control_token=token)
+        click.echo(f"proxy ready: backend {backend}, database {db}\nharness environment:")
+        for k, v in launch.proxy_env(port, confdir).items():
+            click.echo(f"  export {k}={v}")
+        if token:
+            click.echo(f"session credentials are checked: `polar-mitm credential NAME --confdir {confdir}` "
+                       "gives a session's proxy URL and API key")
+        click.echo(f"or point a base URL at http://127.0.0.1:{reverse_port}")
+        life.wait(stack)
 
 
 TOKEN_FILE = "control-token"
@@ -282,8 +272,7 @@ DEMO = DemoSettings()
 @click.option("--seed", default=0, show_default=True, help="The trainer's seed (vLLM's sampling is not seeded: "
               "runs differ anyway)")
 @click.option("--db", default="polar-demo.duckdb", show_default=True, callback=db_file, help="--sdk: the database")
-@click.option("--backend", default="", callback=server_root,
-              help="Use this vLLM server (dev mode; its root URL) instead of starting the default model")
+@backend_option("A running vLLM server (dev mode; its root URL) instead of starting the default model")
 @click.option("--max-tokens", default=0, type=MAX_TOKENS_OR_NONE,
               help=f"Cap on each call's output tokens (0: {DEMO.max_tokens} for the loop, 24 --sdk)")
 @report_to_option
@@ -292,25 +281,29 @@ def demo(sdk, out, iterations, seed, db, backend, max_tokens, report_to):
     tasks, GRPO, the new weights synced into the running vLLM, held-out tasks each
     iteration), ending with the held-out reward's rise and its standard error. --sdk: every
     API style through the proxy instead."""
-    if not sdk:
-        from ..grpo.config import TrainConfig
-        from ..loop.run import LoopOptions
-        from .train import interruptible_loop
-        stop_on_sigterm()
-        opts = LoopOptions(tasks_file=str(DEMO_TASKS / "arithmetic.jsonl"), iterations=iterations,
-                           out=Path(out), harness="pi", samples=DEMO.samples, backend=backend or None,
-                           eval_tasks_file=str(DEMO_TASKS / "arithmetic_heldout.jsonl"), workers=DEMO.workers,
-                           eval_every=DEMO.eval_every, max_tokens=max_tokens or DEMO.max_tokens, report_to=report_to)
-        interruptible_loop(opts, TrainConfig(lr=DEMO.lr, groups_per_step=DEMO.groups_per_step, seed=seed))
+    if sdk:
+        _sdk_tour(db, backend, max_tokens or 24)
         return
-    max_tokens = max_tokens or 24
+    from ..grpo.config import TrainConfig
+    from ..loop.run import LoopOptions
+    from .train import interruptible_loop
+    opts = LoopOptions(tasks_file=str(DEMO_TASKS / "arithmetic.jsonl"), iterations=iterations,
+                       out=Path(out), harness="pi", samples=DEMO.samples, backend=backend or None,
+                       eval_tasks_file=str(DEMO_TASKS / "arithmetic_heldout.jsonl"), workers=DEMO.workers,
+                       eval_every=DEMO.eval_every, max_tokens=max_tokens or DEMO.max_tokens, report_to=report_to)
+    interruptible_loop(opts, TrainConfig(lr=DEMO.lr, groups_per_step=DEMO.groups_per_step, seed=seed))
+
+
+def _sdk_tour(db: str, backend: str, max_tokens: int) -> None:
+    """`demo --sdk`: the proxy on `backend` (or the default model), and one call of each API
+    style and mode through it with the official SDKs; then what it recorded."""
     from .demo import SUMMARY_SQL, drive
 
-    stop_on_sigterm()
-    work = Path(tempfile.mkdtemp(prefix="polar-demo-"))
-    port, reverse_port = launch.free_ports(2)
-    with Stack() as stack:
-        stack.start_gateway(db, backend, port, reverse_port, work / "mitmproxy", work, 8192)
+    with LongRunning() as life:
+        work = Path(tempfile.mkdtemp(prefix="polar-demo-"))
+        port, reverse_port = launch.free_ports(2)
+        stack = life.stops(Stack())
+        stack.start_gateway(db, backend, port, reverse_port, work / "mitmproxy", work, VLLMSettings())
         click.echo("driving the official SDKs through the proxy (HTTPS_PROXY and base URL)")
         for r in drive(port, reverse_port, work / "mitmproxy", max_tokens):
             click.echo(f"  {r['style']:17} {r['mode']:8} stream={str(r['stream']):5} -> {r['text']!r}")
@@ -337,7 +330,23 @@ def dashboard(dbs, run_dir, port, host, tokenizer):
     from ..dashboard.app import close_streams, make_app
     from ..rollout.http_api import ThreadedUvicorn
 
-    dbs = list(dbs)
+    with LongRunning() as life:
+        dbs = _dashboard_dbs(list(dbs), run_dir)
+        app = make_app(dbs, run_dir, tokenizer)
+        try:
+            server = life.stops(ThreadedUvicorn(app, host, port, name="dashboard"))
+        except OSError as e:
+            raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        life.on_stop(lambda: close_streams(app))    # first: the server's stop need not wait for them
+        server.start()
+        shown = f"[{host}]" if ":" in host else host
+        click.echo(f"dashboard of {', '.join(dbs)}" + (f" and run {run_dir}" if run_dir else "")
+                   + f" at http://{shown}:{server.port}/  (Ctrl-C stops it)")
+        life.wait()
+
+
+def _dashboard_dbs(dbs: list[str], run_dir: str | None) -> list[str]:
+    """The databases given, else the run directory's; each must exist."""
     if run_dir is not None and not Path(run_dir).is_dir():
         raise click.BadParameter(f"{run_dir} is not a directory", param_hint="--run")
     if not dbs and run_dir is not None:
@@ -349,26 +358,7 @@ def dashboard(dbs, run_dir, port, host, tokenizer):
     missing = [db for db in dbs if not Path(db).is_file()]
     if missing:
         raise click.BadParameter(f"no database at {', '.join(missing)}", param_hint="--db")
-    stop_on_sigterm()
-    app = make_app(dbs, run_dir, tokenizer)
-    try:
-        server = ThreadedUvicorn(app, host, port, name="dashboard")
-    except OSError as e:
-        raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    code = 0
-    try:
-        server.start()
-        shown = f"[{host}]" if ":" in host else host
-        click.echo(f"dashboard of {', '.join(dbs)}" + (f" and run {run_dir}" if run_dir else "")
-                   + f" at http://{shown}:{server.port}/  (Ctrl-C stops it)")
-        while True:
-            time.sleep(1)
-    except KeyboardInterrupt as e:
-        code = interrupted_exit_code(e)
-    finally:
-        close_streams(app)
-        server.stop()
-    sys.exit(code)
+    return dbs
 
 
 register_rollout(main)

@@ -81,3 +81,13 @@ def check_model_dir(path: str | Path, option: str = "--model") -> None:
     problem = model_dir_problem(path)
     if problem:
         raise click.BadParameter(problem, param_hint=f"'{option}'")
+
+
+# The options several commands share, each written once.
+db_option = click.option("--db", default="rollouts.duckdb", show_default=True, callback=db_file,
+                         help="The DuckDB file")
+
+
+def backend_option(help: str = "A running vLLM server's root URL (http://HOST:PORT); default: start the "
+                               "embedded default model"):
+    return click.option("--backend", default="", callback=server_root, help=help)

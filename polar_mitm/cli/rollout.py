@@ -25,16 +25,16 @@ from ..rollout import RolloutServer
 from ..rollout import harnesses
 from ..rollout.protocol import Group, SessionResult
 from ..rollout.judging import judge_groups
-from ..rollout.rewards import release_causes, reward_records
+from ..rollout.rewards import release_causes, store_settled
 from ..rollout.spec import TaskChanged, TaskExists, TaskRequest, spec_changes, task_from_json
 from ..rollout.states import ORDER, OUTCOMES, RELEASE_CAUSE, TASK_SETTLED, TERMINAL, Callback, ReleaseCause, Session
-from .params import (MAX_TOKENS, MAX_TOKENS_OR_NONE, PORT_OR_ANY, WORKERS, check_model_dir, check_port_free,
-                         db_file, server_root)
-from .lifecycle import interrupted_exit_code, stop_on_sigterm
+from .params import (MAX_TOKENS, MAX_TOKENS_OR_NONE, PORT_OR_ANY, WORKERS, backend_option, check_model_dir,
+                     check_port_free, db_file, db_option, server_root)
+from .lifecycle import LongRunning
 from ..stack.local import Stack, check_backend, check_workspaces, ensure_harnesses, read_tasks
+from ..stack.vllm import vllm_options
 from ..store import figures as store_figures
 from ..store import rollout_journal
-from ..store.training import set_rewards
 
 EXIT_FAILED = 3       # the run finished, but sessions failed or a callback was not delivered
 
@@ -161,8 +161,9 @@ class RunFigures:
         """Why the samples that were cancelled were: a session its node stopped says only
         "cancelled", and its task's reason (an early stop, a cancel request) says why."""
         out: Counter = Counter()
+        views = self.server.task_views(self.ids)
         for tid, g in self.groups.items():
-            task_reason = getattr(self.server.tasks.get(tid), "cancel_reason", None)
+            task_reason = views[tid].cancel_reason if tid in views else None
             for s in g["sessions"]:
                 if s["state"] == Session.CANCELLED:
                     reason = s["reason"] if s["reason"] not in (None, "", "cancelled") else task_reason
@@ -311,7 +312,8 @@ def init_line(sessions: list) -> str | None:
 def callback_line(server: RolloutServer, task_ids: list[str]) -> str | None:
     """Once every task settled, what `rollout` still waits for: the callbacks not yet
     delivered, per URL, with the last try's error, the next try and the most time left."""
-    if not all(server.tasks[tid].state in TASK_SETTLED for tid in task_ids):
+    views = server.task_views(task_ids)
+    if not all(views[tid].state in TASK_SETTLED for tid in task_ids):
         return None
     pending = server.pending_callbacks(task_ids)
     if not pending:
@@ -331,7 +333,8 @@ def callback_line(server: RolloutServer, task_ids: list[str]) -> str | None:
 def outcome_code(server: RolloutServer, task_ids: list[str]) -> int:
     """EXIT_FAILED when a session failed or a callback was not delivered (said on stderr)."""
     failed = sum(1 for tid in task_ids for s in server.group(tid)["sessions"] if s["state"] == Session.FAILED)
-    undelivered = [tid for tid in task_ids if server.tasks[tid].callback_state == Callback.FAILED]
+    views = server.task_views(task_ids)
+    undelivered = [tid for tid in task_ids if views[tid].callback_state == Callback.FAILED]
     if failed:
         click.echo(f"{failed} session(s) failed", err=True)
     if undelivered:
@@ -339,227 +342,234 @@ def outcome_code(server: RolloutServer, task_ids: list[str]) -> int:
     return EXIT_FAILED if failed or undelivered else 0
 
 
-def register(main: click.Group) -> None:
-    @main.command()
-    @click.argument("tasks_file", type=click.Path(exists=True, dir_okay=False))
-    @click.option("--harness", type=click.Choice(list(harnesses.HARNESSES)), default=None,
-                  help=f"For tasks that name none (default {harnesses.DEFAULT})")
-    @click.option("--samples", type=click.IntRange(1, 1024), default=None, help="num_samples for tasks that give none")
-    @click.option("--db", default="rollouts.duckdb", show_default=True, callback=db_file)
-    @click.option("--backend", default="", callback=server_root,
-                  help="A vLLM server's root URL (http://HOST:PORT); default: start the embedded default model")
-    @click.option("--workers", default=4, show_default=True, type=WORKERS, help="RUN slots (and INIT workers)")
-    @click.option("--max-tokens", default=512, show_default=True, type=MAX_TOKENS,
-                  help="Cap on each call's output tokens")
-    @click.option("--port", default=0, type=PORT_OR_ANY, help="Rollout server port (0: any free port)")
-    @click.option("--model", default="", help="Serve this model directory (a checkpoint) instead of the default")
-    @click.option("--dtype", default="float32", show_default=True, help="vLLM's dtype (the trainer's by default)")
-    @click.option("--on-changed", type=click.Choice(["error", "keep"]), default="error", show_default=True,
-                  help="A task already in --db with another spec: error, or keep (resume the stored one as it was)")
-    def rollout(tasks_file, harness, samples, db, backend, workers, max_tokens, port, model, dtype, on_changed):
-        """Run a task file end to end on this machine: model, proxy, rollout server, one node.
+@click.command()
+@click.argument("tasks_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--harness", type=click.Choice(list(harnesses.HARNESSES)), default=None,
+              help=f"For tasks that name none (default {harnesses.DEFAULT})")
+@click.option("--samples", type=click.IntRange(1, 1024), default=None, help="num_samples for tasks that give none")
+@db_option
+@backend_option()
+@click.option("--workers", default=4, show_default=True, type=WORKERS, help="RUN slots (and INIT workers)")
+@click.option("--max-tokens", default=512, show_default=True, type=MAX_TOKENS,
+              help="Cap on each call's output tokens")
+@click.option("--port", default=0, type=PORT_OR_ANY, help="Rollout server port (0: any free port)")
+@click.option("--model", default="", help="Serve this model directory (a checkpoint) instead of the default")
+@vllm_options
+@click.option("--on-changed", type=click.Choice(["error", "keep"]), default="error", show_default=True,
+              help="A task already in --db with another spec: error, or keep (resume the stored one as it was)")
+def rollout(tasks_file, harness, samples, db, backend, workers, max_tokens, port, model, vllm, on_changed):
+    """Run a task file end to end on this machine: model, proxy, rollout server, one node.
 
-        Exit status: 0 all sessions settled and none failed; 1 an error; 3 sessions failed
-        (or a callback was not delivered); 130 after Ctrl-C, 143 after SIGTERM."""
-        stop_on_sigterm()   # first: a Ctrl-C during the checks below exits 130 too, not click's 1
-        try:
-            check_port_free(port)
-            if model and not backend:
-                check_model_dir(model)
-            tasks, changed = _checked(tasks_file, harness, samples, db, backend, on_changed)
-        except KeyboardInterrupt as e:
-            click.echo("interrupted before anything started", err=True)
-            sys.exit(interrupted_exit_code(e))
-        work = Path(os.environ.get("POLAR_ROLLOUT_WORK") or
-                    Path(db).resolve().parent / f".{Path(db).name}.rollout")
-        work.mkdir(mode=0o700, parents=True, exist_ok=True)
-        stack = Stack()
-        code = 0
-        try:
-            if not backend:
-                backend = stack.start_model(work, 8192, model=model, dtype=dtype)
-            server = stack.start_server(db, port=port)
-            stack.start_node(db=db, backend=backend, work=work, proxy_port=launch.free_port(),
-                             workers=workers, max_tokens=max_tokens, server_url=server.url)
-            ids = []
-            for t in tasks:
-                try:
-                    server.submit(t)
-                except TaskExists:
-                    click.echo(f"{t.task_id}: already in {db}; resuming it")
-                except TaskChanged as e:
-                    if on_changed == "error":
-                        raise click.ClickException(f"{e}; or --on-changed keep")
-                    if t.task_id not in changed:
-                        click.echo(f"{t.task_id}: {e}; resuming the stored one (--on-changed keep)", err=True)
-                ids.append(t.task_id)
-            click.echo(f"rollout server {server.url}; {len(ids)} task(s), "
-                       f"{sum(server.tasks[tid].spec.num_samples for tid in ids)} session(s); database {db}")
-            run = RunFigures(server, db, ids)
-            waiting = ""
-            while not server.wait(ids, timeout=2.0):
-                for line in run.tick():
-                    click.echo(line)
-                callbacks = callback_line(server, ids)
-                if callbacks and re.sub(r", next in \d+s", "", callbacks) != waiting:   # a line per try
-                    waiting = re.sub(r", next in \d+s", "", callbacks)
-                    click.echo(callbacks, err=True)
-                if stack.dead():
-                    raise click.ClickException(f"a service stopped: {stack.why_dead()}")
-            run.stop_clock()
-            for line in run.tick(final=True):
-                click.echo(line)
-            # The node first: it stores the rewards the server settled before it returns (two
-            # writers of one row in this process would conflict).
-            stack.stop_nodes()
-            # the server's record of each group, stored (a node killed before it stored a
-            # settled reward left it out)
-            # (the stored spec: under --on-changed keep, the one that ran)
-            groups = {tid: server.group(tid) for tid in ids}
-            for line in judge_groups(groups, {tid: server.tasks[tid].spec for tid in ids}, db, backend):
-                click.echo(line)
-            records = [r for tid in ids for r in reward_records(groups[tid], server.tasks[tid].spec.on_failure)]
-            if records:
-                set_rewards(db, records, timeout=120.0)
-            print_summary(server, ids, run)
-            code = outcome_code(server, ids)
-        except KeyboardInterrupt as e:
-            code = interrupted_exit_code(e)
-            click.echo("interrupted: sessions in flight were stopped and go back in the queue; "
-                       "rerun the same command to resume", err=True)
-        finally:
-            stack.stop()
+    Exit status: 0 all sessions settled and none failed; 1 an error; 3 sessions failed
+    (or a callback was not delivered); 130 after Ctrl-C, 143 after SIGTERM."""
+    with LongRunning("nothing had started yet") as life:
+        check_port_free(port)
+        if model and not backend:
+            check_model_dir(model)
+        tasks, changed = _checked(tasks_file, harness, samples, db, backend, on_changed)
+        work = _work_dir(db)
+        stack = life.stops(Stack())
+        life.after = ("sessions in flight were stopped and go back in the queue; rerun the same command "
+                      "to resume")
+        backend = backend or stack.start_model(work, vllm, model=model)
+        server = stack.start_server(db, port=port)
+        stack.start_node(db=db, backend=backend, work=work, proxy_port=launch.free_port(),
+                         workers=workers, max_tokens=max_tokens, server_url=server.url)
+        ids = _submit(server, tasks, changed, on_changed, db)
+        run = _watch(server, stack, ids, db)
+        _store_rewards(stack, server, ids, db, backend)
+        print_summary(server, ids, run)
+        code = outcome_code(server, ids)
         if code:
             sys.exit(code)
 
-    def _checked(tasks_file, harness, samples, db, backend, on_changed):
-        """Everything that can be checked is, before anything starts; the tasks, and those
-        stored under another spec (task_id -> what changed)."""
-        tasks = read_tasks(tasks_file, harness, samples)
-        check_workspaces(tasks)
-        changed = stored_changes(db, tasks)
-        for tid, changes in changed.items():
+
+def _checked(tasks_file, harness, samples, db, backend, on_changed):
+    """Everything that can be checked is, before anything starts; the tasks, and those
+    stored under another spec (task_id -> what changed)."""
+    tasks = read_tasks(tasks_file, harness, samples)
+    check_workspaces(tasks)
+    changed = stored_changes(db, tasks)
+    for tid, changes in changed.items():
+        if on_changed == "error":
+            raise click.ClickException(
+                f"{tid}: already in {db} with another spec ({'; '.join(changes)}); give the changed task a "
+                f"new task_id, use another --db, or --on-changed keep to resume the stored one as it was")
+        click.echo(f"{tid}: already in {db} with another spec ({'; '.join(changes)}); "
+                   f"resuming the stored one (--on-changed keep)", err=True)
+    if backend:
+        check_backend(backend)
+    ensure_harnesses(t.harness for t in tasks)
+    return tasks, changed
+
+
+def _work_dir(db: str) -> Path:
+    """The sessions' directories and the services' logs: beside the database, or
+    $POLAR_ROLLOUT_WORK."""
+    work = Path(os.environ.get("POLAR_ROLLOUT_WORK") or Path(db).resolve().parent / f".{Path(db).name}.rollout")
+    work.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return work
+
+
+def _submit(server: RolloutServer, tasks: list[TaskRequest], changed: dict[str, list[str]], on_changed: str,
+            db: str) -> list[str]:
+    """Each task to the server, its ids in order; one already in db resumes (one stored under
+    another spec: as stored, with --on-changed keep)."""
+    ids = []
+    for t in tasks:
+        try:
+            server.submit(t)
+        except TaskExists:
+            click.echo(f"{t.task_id}: already in {db}; resuming it")
+        except TaskChanged as e:
             if on_changed == "error":
-                raise click.ClickException(
-                    f"{tid}: already in {db} with another spec ({'; '.join(changes)}); give the changed task a "
-                    f"new task_id, use another --db, or --on-changed keep to resume the stored one as it was")
-            click.echo(f"{tid}: already in {db} with another spec ({'; '.join(changes)}); "
-                       f"resuming the stored one (--on-changed keep)", err=True)
-        if backend:
-            check_backend(backend)
-        ensure_harnesses(t.harness for t in tasks)
-        return tasks, changed
+                raise click.ClickException(f"{e}; or --on-changed keep")
+            if t.task_id not in changed:
+                click.echo(f"{t.task_id}: {e}; resuming the stored one (--on-changed keep)", err=True)
+        ids.append(t.task_id)
+    views = server.task_views(ids)
+    click.echo(f"rollout server {server.url}; {len(ids)} task(s), "
+               f"{sum(views[tid].spec.num_samples for tid in ids)} session(s); database {db}")
+    return ids
 
-    @main.command("rollout-server")
-    @click.option("--db", default="rollouts.duckdb", show_default=True, callback=db_file)
-    @click.option("--host", default="127.0.0.1", show_default=True)
-    @click.option("--port", default=8090, show_default=True, type=PORT_OR_ANY, help="0: any free port")
-    @click.option("--node-timeout", default=10.0, show_default=True, help="Seconds without a heartbeat")
-    @click.option("--check-workspaces/--no-check-workspaces", "workspace_check", default=True, show_default=True,
-                  help="Refuse a task whose workspace (directory, git repo, commit) is not on this machine; "
-                       "turn off when workspaces exist only on the nodes")
-    def rollout_server(db, host, port, node_timeout, workspace_check):
-        """Serve the rollout API (POST /tasks, GET /tasks/ID, POST /tasks/ID/cancel, GET /status)."""
-        stop_on_sigterm()
+
+def _watch(server: RolloutServer, stack: Stack, ids: list[str], db: str) -> RunFigures:
+    """Until every task settled and its callback was delivered or given up: the figures as
+    they change, the callbacks waited for (a line per try), and an error when a service stops."""
+    run = RunFigures(server, db, ids)
+    waiting = ""
+    while not server.wait(ids, timeout=2.0):
+        for line in run.tick():
+            click.echo(line)
+        callbacks = callback_line(server, ids)
+        if callbacks and re.sub(r", next in \d+s", "", callbacks) != waiting:
+            waiting = re.sub(r", next in \d+s", "", callbacks)
+            click.echo(callbacks, err=True)
+        if stack.dead():
+            raise click.ClickException(f"a service stopped: {stack.why_dead()}")
+    run.stop_clock()
+    for line in run.tick(final=True):
+        click.echo(line)
+    return run
+
+
+def _store_rewards(stack: Stack, server: RolloutServer, ids: list[str], db: str, backend: str) -> None:
+    """The settled groups' rewards, judged where a judge is asked for, into db."""
+    # The node first: it stores the rewards the server settled before it returns (two
+    # writers of one row in this process would conflict).
+    stack.stop_nodes()
+    # the server's record of each group, stored (a node killed before it stored a
+    # settled reward left it out)
+    # (the stored spec: under --on-changed keep, the one that ran)
+    groups = {tid: server.group(tid) for tid in ids}
+    specs = {tid: view.spec for tid, view in server.task_views(ids).items()}
+    for line in judge_groups(groups, specs, db, backend):
+        click.echo(line)
+    store_settled(groups, specs, db)
+
+
+@click.command("rollout-server")
+@db_option
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8090, show_default=True, type=PORT_OR_ANY, help="0: any free port")
+@click.option("--node-timeout", default=10.0, show_default=True, help="Seconds without a heartbeat")
+@click.option("--check-workspaces/--no-check-workspaces", "workspace_check", default=True, show_default=True,
+              help="Refuse a task whose workspace (directory, git repo, commit) is not on this machine; "
+                   "turn off when workspaces exist only on the nodes")
+def rollout_server(db, host, port, node_timeout, workspace_check):
+    """Serve the rollout API (POST /tasks, GET /tasks/ID, POST /tasks/ID/cancel, GET /status)."""
+    with LongRunning() as life:
         check_port_free(port, host)
-        stack = Stack()
+        stack = life.stops(Stack())
         try:
-            try:
-                server = stack.start_server(db, host=host, port=port, node_timeout=node_timeout,
-                                            check_workspaces=workspace_check)
-            except OSError as e:   # taken since the check
-                raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-            click.echo(f"rollout server on {server.url}, state in {db}")
-            code = _run_until_stopped(stack)
-        except KeyboardInterrupt as e:
-            code = interrupted_exit_code(e)
-        finally:
-            stack.stop()
-        sys.exit(code)
+            server = stack.start_server(db, host=host, port=port, node_timeout=node_timeout,
+                                        check_workspaces=workspace_check)
+        except OSError as e:   # taken since the check
+            raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        click.echo(f"rollout server on {server.url}, state in {db}")
+        life.wait(stack)
 
-    @main.command()
-    @click.option("--server", "server_url", required=True, callback=server_root,
-                  help="The rollout server's root URL (http://HOST:PORT)")
-    @click.option("--backend", required=True, callback=server_root, help="The vLLM server's root URL (http://HOST:PORT)")
-    @click.option("--db", default="node.duckdb", show_default=True, callback=db_file,
-                  help="This node's own call database")
-    @click.option("--proxy-port", default=0, type=PORT_OR_ANY, help="0: any free port")
-    @click.option("--workers", default=4, show_default=True, type=WORKERS)
-    @click.option("--max-tokens", default=0, type=MAX_TOKENS_OR_NONE, help="Cap on each call's output tokens (0: none)")
-    @click.option("--node-id", default=None)
-    def node(server_url, backend, db, proxy_port, workers, max_tokens, node_id):
-        """Run a gateway node: the proxy plus the INIT, RUN and POST_RUN pools. It pauses
-        (takes no work, starts no harness) while its backend does not answer."""
-        stop_on_sigterm()    # first: a Ctrl-C during the check below exits 130 too
-        stack = Stack()
+
+@click.command()
+@click.option("--server", "server_url", required=True, callback=server_root,
+              help="The rollout server's root URL (http://HOST:PORT)")
+@click.option("--backend", required=True, callback=server_root, help="The vLLM server's root URL (http://HOST:PORT)")
+@click.option("--db", default="node.duckdb", show_default=True, callback=db_file,
+              help="This node's own call database")
+@click.option("--proxy-port", default=0, type=PORT_OR_ANY, help="0: any free port")
+@click.option("--workers", default=4, show_default=True, type=WORKERS)
+@click.option("--max-tokens", default=0, type=MAX_TOKENS_OR_NONE, help="Cap on each call's output tokens (0: none)")
+@click.option("--node-id", default=None)
+def node(server_url, backend, db, proxy_port, workers, max_tokens, node_id):
+    """Run a gateway node: the proxy plus the INIT, RUN and POST_RUN pools. It pauses
+    (takes no work, starts no harness) while its backend does not answer."""
+    with LongRunning() as life:
+        check_port_free(proxy_port, option="--proxy-port")
+        check_backend(backend)
+        work = Path(db).resolve().parent / f".{Path(db).name}.node"
+        work.mkdir(mode=0o700, parents=True, exist_ok=True)
+        stack = life.stops(Stack())
+        gw = stack.start_node(db=db, backend=backend, work=work, proxy_port=proxy_port or launch.free_port(),
+                              workers=workers, max_tokens=max_tokens or None, server_url=server_url,
+                              node_id=node_id)
+        click.echo(f"node {gw.cfg.node_id}: proxy on 127.0.0.1:{gw.cfg.proxy_port}, database {db}")
+        life.wait(stack)
+
+
+@click.group()
+def harness():
+    """The harness CLIs, installed from npm at pinned versions."""
+
+
+@harness.command("install")
+@click.argument("names", nargs=-1, required=True,
+                type=click.Choice(list(harnesses.PACKAGES) + ["all"]))
+def harness_install(names):
+    """Install CLIs into the cache (~/.cache/polar-mitm/harnesses)."""
+    for name in (harnesses.PACKAGES if "all" in names else names):
+        pkg = harnesses.PACKAGES[name]
+        click.echo(f"{name}: {pkg.npm}@{pkg.version} -> {harnesses.install(name)}")
+
+
+@harness.command("list")
+def harness_list():
+    """Pinned versions and where each CLI is found."""
+    for name, pkg in harnesses.PACKAGES.items():
         try:
-            check_port_free(proxy_port, option="--proxy-port")
-            check_backend(backend)
-            work = Path(db).resolve().parent / f".{Path(db).name}.node"
-            work.mkdir(mode=0o700, parents=True, exist_ok=True)
-            gw = stack.start_node(db=db, backend=backend, work=work, proxy_port=proxy_port or launch.free_port(),
-                                  workers=workers, max_tokens=max_tokens or None, server_url=server_url,
-                                  node_id=node_id)
-            click.echo(f"node {gw.cfg.node_id}: proxy on 127.0.0.1:{gw.cfg.proxy_port}, database {db}")
-            code = _run_until_stopped(stack)
-        except KeyboardInterrupt as e:
-            code = interrupted_exit_code(e)
-        finally:
-            stack.stop()
-        sys.exit(code)
+            where = str(harnesses.executable(name))
+        except harnesses.HarnessMissing:
+            where = "not installed"
+        click.echo(f"{name:7} {pkg.npm}@{pkg.version}  {where}")
 
-    def _run_until_stopped(stack: Stack) -> int:
-        """Until a service stops (1; a signal raises Interrupted, a KeyboardInterrupt)."""
-        while not stack.dead():
-            time.sleep(1)
-        click.echo(f"a service stopped: {stack.why_dead()}", err=True)
-        return 1
 
-    @main.group()
-    def harness():
-        """The harness CLIs, installed from npm at pinned versions."""
+@click.command("session-output")
+@click.argument("session_id")
+@click.option("--db", default="rollouts.duckdb", show_default=True, help="The rollout server's database")
+@click.option("--timeout", default=30.0, show_default=True,
+              help="Seconds to wait while the proxy holds the write lock")
+def session_output(session_id, db, timeout):
+    """A session's outcome and its kept output: the tail of its harness's stdout and stderr,
+    and of its evaluator's (rollout_sessions.harness_output, eval_output)."""
+    import duckdb
 
-    @harness.command("install")
-    @click.argument("names", nargs=-1, required=True,
-                    type=click.Choice(list(harnesses.PACKAGES) + ["all"]))
-    def harness_install(names):
-        """Install CLIs into the cache (~/.cache/polar-mitm/harnesses)."""
-        for name in (harnesses.PACKAGES if "all" in names else names):
-            pkg = harnesses.PACKAGES[name]
-            click.echo(f"{name}: {pkg.npm}@{pkg.version} -> {harnesses.install(name)}")
+    try:
+        out = rollout_journal.session_output(db, session_id, timeout=timeout)
+    except (FileNotFoundError, duckdb.Error) as e:
+        raise click.ClickException(str(e)) from None
+    if out is None:
+        raise click.ClickException(f"no session {session_id} in {db}")
+    reward = "-" if out["reward"] is None else f"{out['reward']:g}"
+    exit_code = "-" if out["exit_code"] is None else out["exit_code"]
+    click.echo(f"session {out['session_id']} (task {out['task_id']}, node {out['node_id'] or '-'}): "
+               f"{out['state']}, reward {reward}, harness exit code {exit_code}")
+    if out["reason"]:
+        click.echo(f"reason: {out['reason']}")
+    for title, text in (("harness output", out["harness_output"]), ("evaluator output", out["eval_output"])):
+        click.echo(f"--- {title} ---")
+        click.echo(text.rstrip("\n") if text else "(none kept)")
 
-    @harness.command("list")
-    def harness_list():
-        """Pinned versions and where each CLI is found."""
-        for name, pkg in harnesses.PACKAGES.items():
-            try:
-                where = str(harnesses.executable(name))
-            except harnesses.HarnessMissing:
-                where = "not installed"
-            click.echo(f"{name:7} {pkg.npm}@{pkg.version}  {where}")
 
-    @main.command("session-output")
-    @click.argument("session_id")
-    @click.option("--db", default="rollouts.duckdb", show_default=True, help="The rollout server's database")
-    @click.option("--timeout", default=30.0, show_default=True,
-                  help="Seconds to wait while the proxy holds the write lock")
-    def session_output(session_id, db, timeout):
-        """A session's outcome and its kept output: the tail of its harness's stdout and stderr,
-        and of its evaluator's (rollout_sessions.harness_output, eval_output)."""
-        import duckdb
-
-        try:
-            out = rollout_journal.session_output(db, session_id, timeout=timeout)
-        except (FileNotFoundError, duckdb.Error) as e:
-            raise click.ClickException(str(e)) from None
-        if out is None:
-            raise click.ClickException(f"no session {session_id} in {db}")
-        reward = "-" if out["reward"] is None else f"{out['reward']:g}"
-        exit_code = "-" if out["exit_code"] is None else out["exit_code"]
-        click.echo(f"session {out['session_id']} (task {out['task_id']}, node {out['node_id'] or '-'}): "
-                   f"{out['state']}, reward {reward}, harness exit code {exit_code}")
-        if out["reason"]:
-            click.echo(f"reason: {out['reason']}")
-        for title, text in (("harness output", out["harness_output"]), ("evaluator output", out["eval_output"])):
-            click.echo(f"--- {title} ---")
-            click.echo(text.rstrip("\n") if text else "(none kept)")
+def register(main: click.Group) -> None:
+    """The rollout half's commands, on `polar-mitm`."""
+    for command in (rollout, rollout_server, node, harness, session_output):
+        main.add_command(command)

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import click
 
-from .params import MAX_TOKENS, WORKERS, server_root
-from .lifecycle import interrupted_exit_code, stop_on_sigterm
+from .params import MAX_TOKENS, WORKERS, backend_option, server_root
+from .lifecycle import LongRunning
 from ..loop.options import LoopOptions
+from ..stack.vllm import vllm_options
 from ..grpo.config import BUILDERS, NORMALIZATIONS, AdvantageConfig, LossConfig, TrainConfig
+from ..grpo.results import StepMetrics
 from ..trainer_input import REWARD_COVERS, Call
 from ..store.training import SAMPLING_REASONS, TrainingData, set_rewards, task_reward_covers, training_calls
 from ..loop.trackers import report_to_option
@@ -131,6 +133,7 @@ reward_covers_option = click.option(
 @reward_covers_option
 @report_to_option
 @trainer_options
+@LongRunning("training stopped; no checkpoint was saved")
 def train(dbs, model, out, tasks, sessions, reward_covers, report_to, **options):
     """Run GRPO on the rewarded sessions and save a checkpoint vLLM serves."""
     from ..grpo.train import TrainError, dist_env
@@ -152,19 +155,19 @@ def train(dbs, model, out, tasks, sessions, reward_covers, report_to, **options)
         trackers = open_trackers(report_to, Path(out), tracker_run_id(Path(out)),
                                  config={"train": dataclasses.asdict(cfg), "model": model, "db": list(dbs)})
 
-    def progress(n, total, m):
+    def progress(n: int, total: int, m: StepMetrics) -> None:
         nonlocal bar
         if rank != 0:
             return
-        trackers.log_steps([m])
+        trackers.log_steps([m.as_dict()])
         if bar is None:
             bar = click.progressbar(length=total, label="training", file=sys.stderr,
                                     item_show_func=lambda s: s)
             bar.__enter__()
-        bar.update(1, f"loss {m['loss']:+.4f} clip {m['clip_frac']:.3f} |dlp| {m['logprob_abs_diff']:.4f}")
+        bar.update(1, f"loss {m.loss:+.4f} clip {m.clip_frac:.3f} |dlp| {m.logprob_abs_diff:.4f}")
 
     try:
-        summary = run_train(calls, model, out, cfg, progress=progress, session_rewards=data.rewards)
+        result = run_train(calls, model, out, cfg, progress=progress, session_rewards=data.rewards)
     except TrainError as e:
         _die(str(e))
     finally:
@@ -172,11 +175,11 @@ def train(dbs, model, out, tasks, sessions, reward_covers, report_to, **options)
             bar.__exit__(None, None, None)
         trackers.close()
     if rank == 0:
-        last = summary["last"]
-        click.echo(f"{summary['steps']} steps; last loss {last.get('loss', 0):+.5f}, clip fraction "
-                   f"{last.get('clip_frac', 0):.3f}, mean |trainer - vLLM| logprob {last.get('logprob_abs_diff', 0):.4f}")
-        click.echo(f"checkpoint: {Path(out) / 'checkpoint'}\nmetrics: {Path(out) / 'metrics.jsonl'} "
-                   f"and {Path(out) / 'metrics.png'}")
+        last = result.last
+        click.echo(f"{result.steps} steps" + (f"; last loss {last.loss:+.5f}, clip fraction {last.clip_frac:.3f}, "
+                   f"mean |trainer - vLLM| logprob {last.logprob_abs_diff:.4f}" if last else ""))
+        click.echo(f"checkpoint: {result.checkpoint}\nmetrics: {result.metrics_path} and "
+                   f"{result.metrics_path.with_suffix('.png')}")
 
 
 @main.command()
@@ -241,8 +244,8 @@ def format_builders(rows: list[dict]) -> str:
 @click.option("--harness", default=None, help="For tasks that name none (default pi)")
 @click.option("--samples", type=click.IntRange(1, 1024), default=None, help="num_samples for tasks that give none")
 @click.option("--model", default="", help="The initial policy (default: the embedded SmolLM2)")
-@click.option("--backend", default="", callback=server_root, help="A running vLLM (its root URL, "
-              "http://HOST:PORT) started with VLLM_SERVER_DEV_MODE=1 (default: start one, kept across iterations)")
+@backend_option("A running vLLM (its root URL, http://HOST:PORT) started with VLLM_SERVER_DEV_MODE=1 "
+                "(default: start one, kept across iterations)")
 @click.option("--eval-tasks", "eval_tasks_file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Held-out tasks: run with the current policy (see --eval-every), never trained on")
 @click.option("--eval-every", default=_LOOP["eval_every"], show_default=True, type=click.IntRange(1),
@@ -251,7 +254,7 @@ def format_builders(rows: list[dict]) -> str:
 @click.option("--max-tokens", default=_LOOP["max_tokens"], show_default=True, type=MAX_TOKENS,
               help="Cap on each call's output tokens")
 @click.option("--keep", default=_LOOP["keep"], show_default=True, type=click.IntRange(1), help="Checkpoints kept")
-@click.option("--dtype", default=_LOOP["dtype"], show_default=True, help="vLLM's dtype (the trainer's by default)")
+@vllm_options
 @click.option("--max-staleness", default=_LOOP["max_staleness"], show_default=True, type=click.IntRange(0),
               help="Policy versions a trained call may lag: 0 is synchronous; with K >= 1 the next "
                    "iteration's rollouts run while this one trains")
@@ -264,31 +267,27 @@ def format_builders(rows: list[dict]) -> str:
 @report_to_option
 @trainer_options
 def loop(tasks_file, iterations, out, harness, samples, model, backend, eval_tasks_file, eval_every, workers,
-         max_tokens, keep, dtype, max_staleness, server, colocate, report_to, **options):
+         max_tokens, keep, vllm, max_staleness, server, colocate, report_to, **options):
     """The closed loop: rollouts through a real harness, GRPO, the new weights synced into the
     running vLLM, the next rollouts.
 
     Exit status: 0 done; 1 an error (one line says which); 130 after Ctrl-C, 143 after SIGTERM
     (the stack is stopped; rerun the same command to resume)."""
-    stop_on_sigterm()   # first: a Ctrl-C while the loop loads exits 130 too, not click's 1
     opts = LoopOptions(tasks_file=tasks_file, iterations=iterations, out=Path(out), harness=harness,
                        samples=samples, model=model or None, backend=backend or None,
                        eval_tasks_file=eval_tasks_file, eval_every=eval_every, workers=workers,
-                       max_tokens=max_tokens, keep=keep, dtype=dtype, max_staleness=max_staleness,
+                       max_tokens=max_tokens, keep=keep, vllm=vllm, max_staleness=max_staleness,
                        server=server or None, colocate=colocate, report_to=report_to)
     interruptible_loop(opts, train_config(**options))
 
 
 def interruptible_loop(opts: LoopOptions, cfg: TrainConfig) -> None:
-    """run_loop, after stop_on_sigterm(): Ctrl-C exits 130 and SIGTERM 143, with one line; the
-    loop stops what it started on the way out (a rerun resumes)."""
-    try:
+    """run_loop as a long-running command (`loop`, `demo`): Ctrl-C exits 130 and SIGTERM 143,
+    with one line; the loop stops what it started on the way out (a rerun resumes)."""
+    # first: a Ctrl-C while the loop loads exits 130 too, not click's 1
+    with LongRunning(f"the loop stopped; rerun the same command to resume from {opts.out}"):
         from ..loop.run import run_loop
         run_loop(opts, cfg)
-    except KeyboardInterrupt as e:
-        click.echo(f"interrupted ({'SIGTERM' if interrupted_exit_code(e) == 143 else 'Ctrl-C'}): the loop "
-                   f"stopped; rerun the same command to resume from {opts.out}", err=True)
-        sys.exit(interrupted_exit_code(e))
 
 
 @main.command()

@@ -15,9 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import LossConfig  # noqa: F401 - re-exported
-
-
-
+from .results import LossSummary
 
 
 @dataclass
@@ -87,11 +85,12 @@ def merge_metrics(total: dict[str, float], part: dict[str, float]) -> dict[str, 
     return total
 
 
-def summarize(total: dict[str, float]) -> dict[str, float]:
+def summarize(total: dict[str, float]) -> LossSummary:
     """Sums -> means: clip fraction, mean ratio, mean |trainer - vLLM| logprob, ..."""
     n = max(total.get("tokens", 0.0), 1.0)
-    return {"loss": total.get("loss", 0.0), "tokens": total.get("tokens", 0.0),
-            "clip_frac": total.get("clipped", 0.0) / n, "ratio_mean": total.get("ratio_sum", 0.0) / n,
-            "ratio_min": total.get("ratio_min", float("nan")), "ratio_max": total.get("ratio_max", float("nan")),
-            "tis_mean": total.get("tis_sum", 0.0) / n, "tis_capped_frac": total.get("tis_capped", 0.0) / n,
-            "logprob_abs_diff": total.get("abs_diff_sum", 0.0) / n, "kl": total.get("kl_sum", 0.0) / n}
+    return LossSummary(
+        loss=total.get("loss", 0.0), tokens=total.get("tokens", 0.0),
+        clip_frac=total.get("clipped", 0.0) / n, ratio_mean=total.get("ratio_sum", 0.0) / n,
+        ratio_min=total.get("ratio_min", float("nan")), ratio_max=total.get("ratio_max", float("nan")),
+        tis_mean=total.get("tis_sum", 0.0) / n, tis_capped_frac=total.get("tis_capped", 0.0) / n,
+        logprob_abs_diff=total.get("abs_diff_sum", 0.0) / n, kl=total.get("kl_sum", 0.0) / n)

@@ -18,6 +18,11 @@ Choices, stated up front:
 - Micro-batches are rows of at most `token_budget` tokens; a prefix longer than a row is
   computed once and its keys/values reused by the rows below it.
 - Scale: under torchrun, FSDP2 shards the model and ranks split the groups.
+
+A training call (Trainer.train_on), step by step: the rewarded calls (RewardedCalls), the
+groups with an advantage (TrainingData), a plan per optimizer step (StepPlan, step.py),
+the objective's inputs (StepInputs), one StepResult per step and epoch, and the
+TrainResult (results.py).
 """
 
 from __future__ import annotations
@@ -28,18 +33,21 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence, cast
+from typing import TYPE_CHECKING, Mapping, Sequence, cast
 
 import torch
 
 from ..trainer_input import Call, SessionReward
 from .advantages import group_advantages, group_stats, token_weights
-from .config import BUILDERS, AdvantageConfig, LossConfig, TrainConfig  # noqa: F401 - re-exported
-from .loss import METRIC_SUMS, LossInputs, grpo_loss, merge_metrics, summarize
+from .config import BUILDERS, AdvantageConfig, LossConfig, Normalization, TrainConfig  # noqa: F401 - re-exported
+from .loss import METRIC_SUMS, summarize
+from .metrics import StepLog
 from .packing import merge
 from .policy import ForestRunner, TokenLogprobs
+from .results import Progress, StepMetrics, StepResult, TrainResult
+from .step import ProximalLogprobs, StepInputs, StepPlan, prepare_step, run_step, score_tokens
 from .trajectories import build
 
 if TYPE_CHECKING:
@@ -91,91 +99,77 @@ def check_vocabulary(lm, calls: Sequence[Call]) -> None:
                          "these calls were recorded from a different model")
 
 
-def split_for_rank(samples, rank: int, world: int):
-    """Whole samples per rank, balanced by forward tokens (largest first)."""
-    if world == 1:
-        return list(samples)
-    loads = [0] * world
-    mine = []
-    for i in sorted(range(len(samples)), key=lambda i: -len(samples[i])):
-        r = loads.index(min(loads))
-        loads[r] += len(samples[i])
-        if r == rank:
-            mine.append(samples[i])
-    return mine
+# ---- the training call's data -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RewardedCalls:
+    """The calls of rewarded sessions, and every rewarded session's reward and group."""
+    calls: list[Call]
+    rewards: dict[str, float]      # session -> reward, those with no trainable call included
+    group_of: dict[str, str]       # session -> its GRPO group
 
 
-# ---- one step -----------------------------------------------------------------------------
+def rewarded_calls(calls: Sequence[Call], session_rewards: Mapping[str, SessionReward] | None) -> RewardedCalls:
+    """session_rewards (session -> (group, reward)): every rewarded session of the groups,
+    those with no trainable call included, so each group's baseline counts them."""
+    rewards = {c.session_id: c.reward for c in calls if c.reward is not None}
+    group_of = {c.session_id: c.group for c in calls}
+    for sid, (group, reward) in (session_rewards or {}).items():
+        rewards.setdefault(sid, reward)
+        group_of.setdefault(sid, group)
+    kept = [c for c in calls if c.session_id in rewards]
+    if not kept:
+        raise TrainError("no rewarded sessions to train on (set rewards with `polar-train reward`)")
+    return RewardedCalls(kept, rewards, group_of)
 
-class StepData:
-    """What one optimizer step trains on, laid out for this rank. Planned lazily: each read
-    of `runner` builds the step's forest and row plan, which live only while it runs (a
-    few hundred bytes of host memory per forward token); what is kept is per trained
-    token: call_ids, flat and rollout, in the forest's target order."""
 
-    def __init__(self, groups: list[str], calls: Sequence[Call], call_idx: list[int], offsets: list[int],
-                 cfg: TrainConfig, device, rank: int, world: int, attention: str, dtype: torch.dtype):
-        self.groups = groups
-        self._calls, self._call_idx, self._offsets = [calls[i] for i in call_idx], call_idx, offsets
-        self._cfg, self._device, self._rank, self._world = cfg, device, rank, world
-        self._attention, self._dtype = attention, dtype
-        self._targets: tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict] | None = None
+@dataclass(frozen=True)
+class TrainingData:
+    """What a training call trains on: the rewarded calls of the groups with an advantage,
+    and where their sampled tokens sit in the flat arrays (see step.py)."""
+    calls: list[Call]
+    rewards: dict[str, float]      # session -> reward, every rewarded session
+    group_of: dict[str, str]
+    advantages: dict[str, float]   # session -> advantage, every rewarded session
+    groups: list[str]              # the groups trained, sorted
+    zero_adv_groups: int           # the groups left out: equal rewards
+    offsets: list[int]             # call i's sampled tokens are flat[offsets[i]:offsets[i + 1]]
 
     @property
-    def runner(self) -> ForestRunner:
-        return ForestRunner(self._forest(), self._cfg.token_budget, self._device, self._attention, self._dtype)
+    def tokens(self) -> int:
+        return self.offsets[-1]
 
-    def _forest(self):
-        built = build(self._calls, self._cfg.builder)
-        forest = merge(split_for_rank(built.samples, self._rank, self._world))
-        if self._targets is None:
-            ci, off = self._call_idx, self._offsets
-            self._targets = (
-                torch.tensor([ci[c] for c in forest.target_call], dtype=torch.long),
-                torch.tensor([off[ci[c]] + j for c, j in zip(forest.target_call, forest.target_index)],
-                             dtype=torch.long),
-                torch.tensor(forest.target_logprob), built.stats.as_dict())
-        return forest
-
-    def _target(self, i: int):
-        if self._targets is None:
-            self._forest()   # sets them
-        assert self._targets is not None
-        return self._targets[i]
-
-    call_ids = property(lambda self: self._target(0), doc="per forest target: call index")
-    flat = property(lambda self: self._target(1), doc="per forest target: index into the flat (call, j) arrays")
-    rollout = property(lambda self: self._target(2), doc="per forest target: vLLM's logprob")
-    stats = property(lambda self: self._target(3), doc="the builder's counts (BuildStats)")
+    def step_advantages(self, groups: Sequence[str]) -> list[float]:
+        """The advantages of these groups' sessions, those with no trainable call included."""
+        chosen = set(groups)
+        return [a for s, a in self.advantages.items() if self.group_of[s] in chosen]
 
 
-def prepare_step(calls: Sequence[Call], call_idx: list[int], groups: list[str], offsets: list[int],
-                 cfg: TrainConfig, device, rank: int, world: int, attention: str = "sdpa",
-                 dtype: torch.dtype = torch.float32) -> StepData:
-    return StepData(groups, calls, call_idx, offsets, cfg, device, rank, world, attention, dtype)
+def with_signal(data: RewardedCalls, cfg: AdvantageConfig) -> TrainingData:
+    """Advantages depend on the calls only, never on the builder. A group whose advantages
+    are all zero (equal rewards) has no signal: it would cost a forward and backward and
+    dilute the per-token normalization, so it is left out."""
+    advantages = group_advantages(data.rewards, data.group_of, cfg)
+    signal = {data.group_of[s] for s, a in advantages.items() if a != 0.0}
+    all_groups = {c.group for c in data.calls}
+    calls = [c for c in data.calls if c.group in signal]
+    if not calls:
+        logger.warning("polar-train: all %d groups have equal rewards: nothing to learn from", len(all_groups))
+        raise TrainError(f"every group's rewards are equal ({len(all_groups)} groups): no advantage to train on")
+    offsets = [0]
+    for c in calls:
+        offsets.append(offsets[-1] + len(c.tokens))
+    return TrainingData(calls, data.rewards, data.group_of, advantages, sorted(signal & all_groups),
+                        len(all_groups - signal), offsets)
 
 
-def run_step(policy, step: StepData, adv: torch.Tensor, weights: torch.Tensor, proximal: torch.Tensor,
-             cfg: TrainConfig, ref: torch.Tensor | None, autocast, world: int = 1) -> dict:
-    """Forward and backward every row of the step; gradients accumulate; returns metric sums."""
-    totals: dict[str, float] = {}
-
-    def loss_fn(lp: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        flat = step.flat[idx]
-        first = torch.isnan(proximal[flat])          # first time this token is scored
-        proximal[flat[first]] = lp.detach().to(proximal.dtype).cpu()[first]
-        dev = lp.device
-        out = grpo_loss(LossInputs(
-            logprobs=lp, old_logprobs=proximal[flat].to(dev), rollout_logprobs=step.rollout[idx].to(dev),
-            advantages=adv[step.call_ids[idx]].to(dev), weights=weights[flat].to(dev),
-            ref_logprobs=ref[flat].to(dev) if ref is not None else None), cfg.loss)
-        merge_metrics(totals, out.metrics)
-        return out.loss * world   # FSDP averages gradients over ranks; the objective is their sum
-
-    runner = step.runner   # built now, dropped when the step is done
-    with autocast():
-        runner.run(policy, loss_fn)
-    return totals
+def flat_weights(data: TrainingData, plans: Sequence[StepPlan], normalization: Normalization) -> torch.Tensor:
+    """Per flat token, its share of its step's loss (each step's weights sum to 1)."""
+    weights = torch.zeros(data.tokens, dtype=torch.float64)
+    for plan in plans:
+        for i, w in zip(plan.call_idx, token_weights(plan.calls, normalization)):
+            weights[data.offsets[i]:data.offsets[i] + len(w)] = torch.tensor(w, dtype=torch.float64)
+    return weights
 
 
 # ---- the trainer ------------------------------------------------------------------------------
@@ -232,120 +226,89 @@ class Trainer:
         warm = self.cfg.warmup_steps
         return self.cfg.lr * min(1.0, (self.step + 1) / warm) if warm > 0 else self.cfg.lr
 
-    def train_on(self, calls: Sequence[Call], out_dir: str | os.PathLike,
-                 progress: Callable[[int, int, dict], None] | None = None,
-                 session_rewards: Mapping[str, SessionReward] | None = None) -> dict:
+    def train_on(self, calls: Sequence[Call], out_dir: str | os.PathLike, progress: Progress | None = None,
+                 session_rewards: Mapping[str, SessionReward] | None = None) -> TrainResult:
         """Optimizer steps on these calls' GRPO groups (cfg.epochs passes); writes
-        metrics.jsonl and metrics.png into out_dir. Returns a summary with every step's
-        metrics. session_rewards (session -> (group, reward)): every rewarded session of the
-        groups, those with no trainable call included, so each group's baseline counts them."""
-        cfg, rank, world, device = self.cfg, self.rank, self.world, self.device
-        rewards = {c.session_id: c.reward for c in calls if c.reward is not None}
-        group_of = {c.session_id: c.group for c in calls}
-        for sid, (group, reward) in (session_rewards or {}).items():
-            rewards.setdefault(sid, reward)
-            group_of.setdefault(sid, group)
-        calls = [c for c in calls if c.session_id in rewards]
-        if not calls:
-            raise TrainError("no rewarded sessions to train on (set rewards with `polar-train reward`)")
-        check_vocabulary(self.lm, calls)
-        policy, autocast = self.policy, self.autocast
+        metrics.jsonl and metrics.png into out_dir. session_rewards (session -> (group,
+        reward)): every rewarded session of the groups, see rewarded_calls."""
+        rewarded = rewarded_calls(calls, session_rewards)
+        check_vocabulary(self.lm, rewarded.calls)
+        data = with_signal(rewarded, self.cfg.advantage)
+        plans = self.plan_steps(data)
+        inputs = self.step_inputs(data, plans)
         out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        total = self.cfg.epochs * len(plans)
+        done: list[StepResult] = []
+        with StepLog(out / "metrics.jsonl", write=self.rank == 0) as log:
+            for epoch in range(self.cfg.epochs):
+                for plan in plans:
+                    r = self.optimizer_step(plan, inputs, data, epoch, len(done) + 1)
+                    done.append(r)
+                    log.write(r.metrics)
+                    if progress:
+                        progress(r.metrics.step, total, r.metrics)
+        if self.rank == 0:
+            from .metrics import plot
+            plot(log.path, out / "metrics.png")
+        # the builder's counts per step, from the first epoch (none ran: laid out for them alone)
+        built = [r.build for r in done[:len(plans)]] or [p.layout().stats for p in plans]
+        return TrainResult(calls=len(data.calls), sessions=len(data.rewards), groups=len(data.groups),
+                           zero_adv_groups=data.zero_adv_groups, config=self.cfg,
+                           history=[r.metrics for r in done], build=built, metrics_path=log.path)
 
-        # data: advantages and weights depend on the calls only, never on the builder -----------
-        adv_by_session = group_advantages(rewards, group_of, cfg.advantage)
-        # A group whose advantages are all zero (equal rewards) has no signal: it would cost a
-        # forward and backward and dilute the per-token normalization, so it is left out.
-        signal = {group_of[s] for s, a in adv_by_session.items() if a != 0.0}
-        all_groups = {c.group for c in calls}
-        zero_groups = len(all_groups - signal)
-        calls = [c for c in calls if c.group in signal]
-        if not calls:
-            logger.warning("polar-train: all %d groups have equal rewards: nothing to learn from", len(all_groups))
-            raise TrainError(f"every group's rewards are equal ({len(all_groups)} groups): no advantage to train on")
-        groups = sorted(signal & all_groups)
-        adv = torch.tensor([adv_by_session[c.session_id] for c in calls], dtype=torch.float32)
-        offsets = [0]
-        for c in calls:
-            offsets.append(offsets[-1] + len(c.tokens))
-        per_step = cfg.groups_per_step or len(groups)
-        step_groups = [groups[i:i + per_step] for i in range(0, len(groups), per_step)]
-        steps = []
-        weights = torch.zeros(offsets[-1], dtype=torch.float64)
-        for gs in step_groups:
-            idx = [i for i, c in enumerate(calls) if c.group in set(gs)]
-            for i, w in zip(idx, token_weights([calls[i] for i in idx], cfg.normalization)):
-                weights[offsets[i]:offsets[i] + len(w)] = torch.tensor(w, dtype=torch.float64)
-            steps.append(prepare_step(calls, idx, gs, offsets, cfg, device, rank, world, self.attention,
-                                      self.lm.dtype))
-        # The PPO "old" policy is the one at the start of this call, as for PPO minibatches:
-        # the first step's tokens take it on their first visit (the weights have not moved
-        # yet); later steps' tokens are scored now, so their ratios, and the clip, act.
-        proximal = torch.full((offsets[-1],), float("nan"))
-        if len(steps) > 1:
-            with torch.no_grad(), autocast():
-                for s in steps[1:]:
-                    proximal[s.flat] = s.runner.run(policy, None).to(proximal.dtype).cpu()
+    def plan_steps(self, data: TrainingData) -> list[StepPlan]:
+        """cfg.groups_per_step groups per optimizer step (0: all in one), in sorted order."""
+        per_step = self.cfg.groups_per_step or len(data.groups)
+        plans = []
+        for i in range(0, len(data.groups), per_step):
+            groups = data.groups[i:i + per_step]
+            chosen = set(groups)
+            idx = [j for j, c in enumerate(data.calls) if c.group in chosen]
+            plans.append(prepare_step(data.calls, idx, groups, data.offsets, self.cfg, self.device, self.rank,
+                                      self.world, self.attention, self.lm.dtype))
+        return plans
+
+    def step_inputs(self, data: TrainingData, plans: list[StepPlan]) -> StepInputs:
+        """The objective's inputs over the whole call. The PPO "old" policy is the one at the
+        start of this call, as for PPO minibatches: the first step's tokens take it on their
+        first visit (the weights have not moved yet); later steps' tokens are scored now, so
+        their ratios, and the clip, act. The KL reference scores every step's tokens now."""
+        advantages = torch.tensor([data.advantages[c.session_id] for c in data.calls], dtype=torch.float32)
+        proximal = ProximalLogprobs(score_tokens(self.policy, plans[1:], data.tokens, self.autocast))
         ref = None
         if self.ref_policy is not None:
-            ref = torch.full((offsets[-1],), float("nan"))
-            with torch.no_grad(), autocast():
-                for s in steps:
-                    ref[s.flat] = s.runner.run(self.ref_policy, None).to(ref.dtype).cpu()
+            ref = score_tokens(self.ref_policy, plans, data.tokens, self.autocast)
+        return StepInputs(advantages, flat_weights(data, plans, self.cfg.normalization), proximal, ref)
 
-        # loop ----------------------------------------------------------------------------------
-        out.mkdir(parents=True, exist_ok=True)
-        metrics_path = out / "metrics.jsonl"
-        log = open(metrics_path, "w") if rank == 0 else None
-        total_steps = cfg.epochs * len(steps)
-        history = []
-        reward_stats = group_stats(list(rewards.values()))
-        n = 0
-        for epoch in range(cfg.epochs):
-            for s in steps:
-                t0 = time.perf_counter()
-                for param_group in self.opt.param_groups:
-                    param_group["lr"] = self.lr_now()
-                self.opt.zero_grad(set_to_none=True)
-                if world > 1:   # gather once per step, sync once at its end (see _sync_gradients)
-                    sharded = cast("FSDPModule", policy)   # fully_shard made it one
-                    sharded.set_reshard_after_forward(False)
-                    sharded.set_requires_gradient_sync(False)
-                    sharded.set_reshard_after_backward(False)
-                sums = run_step(policy, s, adv, weights, proximal, cfg, ref, autocast, world)
-                if world > 1:
-                    _sync_gradients(policy, device)
-                    sums = _all_reduce_metrics(sums)
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
-                lr = self.opt.param_groups[0]["lr"]
-                self.opt.step()
-                self.step += 1
-                n += 1
-                m = summarize(sums)
-                sess_adv = [adv_by_session[x] for x in adv_by_session if group_of[x] in set(s.groups)]
-                adv_stats = group_stats(sess_adv)
-                m.update(step=n, global_step=self.step, lr=lr, epoch=epoch, groups=len(s.groups),
-                         zero_adv_groups=zero_groups,
-                         grad_norm=grad_norm, reward_mean=reward_stats.mean, reward_std=reward_stats.std,
-                         adv_mean=adv_stats.mean, adv_std=adv_stats.std,
-                         adv_min=min(sess_adv), adv_max=max(sess_adv),
-                         seconds=time.perf_counter() - t0, forward_tokens=s.stats["forward_tokens"])
-                m["tokens_per_s"] = m["forward_tokens"] / max(m["seconds"], 1e-9)
-                history.append(m)
-                if log:
-                    log.write(json.dumps(m) + "\n")
-                    log.flush()
-                if progress:
-                    progress(n, total_steps, m)
-        if log:
-            log.close()
-        if rank == 0:
-            from .metrics import plot
-            plot(metrics_path, out / "metrics.png")
-        return {"steps": n, "calls": len(calls), "sessions": len(rewards), "groups": len(groups),
-                "zero_adv_groups": zero_groups,
-                "builder": cfg.builder, "config": _jsonable(asdict(cfg)), "last": history[-1] if history else {},
-                "history": history, "build": [s.stats for s in steps]}
+    def optimizer_step(self, plan: StepPlan, inputs: StepInputs, data: TrainingData, epoch: int,
+                       n: int) -> StepResult:
+        """One step on the plan's groups (the n-th of this training call), and its metrics."""
+        t0 = time.perf_counter()
+        for param_group in self.opt.param_groups:
+            param_group["lr"] = self.lr_now()
+        self.opt.zero_grad(set_to_none=True)
+        if self.world > 1:   # gather once per step, sync once at its end (see _sync_gradients)
+            _hold_gradients(self.policy)
+        sums, stats = run_step(self.policy, plan, inputs, self.cfg.loss, self.autocast, self.world)
+        if self.world > 1:
+            _sync_gradients(self.policy, self.device)
+            sums = _all_reduce_metrics(sums)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.max_grad_norm))
+        lr = self.opt.param_groups[0]["lr"]
+        self.opt.step()
+        self.step += 1
+        rewards = group_stats(list(data.rewards.values()))
+        adv = data.step_advantages(plan.groups)
+        adv_stats = group_stats(adv)
+        seconds = time.perf_counter() - t0
+        metrics = StepMetrics(
+            **asdict(summarize(sums)), step=n, global_step=self.step, lr=lr, epoch=epoch, groups=len(plan.groups),
+            zero_adv_groups=data.zero_adv_groups, grad_norm=grad_norm,
+            reward_mean=rewards.mean, reward_std=rewards.std, adv_mean=adv_stats.mean, adv_std=adv_stats.std,
+            adv_min=min(adv), adv_max=max(adv), seconds=seconds, forward_tokens=stats.forward_tokens,
+            tokens_per_s=stats.forward_tokens / max(seconds, 1e-9))
+        return StepResult(metrics, stats)
 
     def save(self, target: Path) -> None:
         """The weights as a directory vLLM serves or reloads (see save_checkpoint)."""
@@ -365,25 +328,33 @@ class Trainer:
 
 
 def train(calls: Sequence[Call], model_dir: str | os.PathLike, out_dir: str | os.PathLike,
-          cfg: TrainConfig = TrainConfig(), progress: Callable[[int, int, dict], None] | None = None,
-          save: bool = True, session_rewards: Mapping[str, SessionReward] | None = None) -> dict:
+          cfg: TrainConfig = TrainConfig(), progress: Progress | None = None,
+          save: bool = True, session_rewards: Mapping[str, SessionReward] | None = None) -> TrainResult:
     """One training call (polar-train train): a Trainer used once, then its checkpoint."""
     if not any(c.reward is not None for c in calls):
         raise TrainError("no rewarded sessions to train on (set rewards with `polar-train reward`)")
     trainer = Trainer(model_dir, cfg)
-    summary = trainer.train_on(calls, out_dir, progress, session_rewards)
+    result = trainer.train_on(calls, out_dir, progress, session_rewards)
     out = Path(out_dir)
     if save:
         trainer.save(out / "checkpoint")
+        result = replace(result, checkpoint=out / "checkpoint")
     if trainer.rank == 0:
-        (out / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "history"},
-                                                     indent=2))
+        (out / "summary.json").write_text(json.dumps(result.summary(), indent=2))
     if trainer.world > 1 and torch.distributed.is_initialized():
         # ranks leave together: a rank whose gloo threads are still up at exit aborts
         # ("terminate called without an active exception", seen once under CI)
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-    return summary
+    return result
+
+
+def _hold_gradients(policy) -> None:
+    """For the step's rows: the weights stay gathered and the gradients local."""
+    sharded = cast("FSDPModule", policy)   # fully_shard made it one
+    sharded.set_reshard_after_forward(False)
+    sharded.set_requires_gradient_sync(False)
+    sharded.set_reshard_after_backward(False)
 
 
 def _sync_gradients(policy, device) -> None:
@@ -413,10 +384,6 @@ def _all_reduce_metrics(sums: dict[str, float]) -> dict[str, float]:
     for k in keys:
         out[k] = next(it_lo) if k.endswith("_min") else next(it_hi) if k.endswith("_max") else next(it_add)
     return out
-
-
-def _jsonable(x):
-    return json.loads(json.dumps(x, default=str))
 
 
 def save_checkpoint(lm, model_dir, target: Path, world: int, rank: int) -> None:

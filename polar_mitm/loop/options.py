@@ -3,8 +3,10 @@ command line reads its defaults from here, without importing the loop itself).""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from ..stack.vllm import VLLMSettings
 
 
 @dataclass
@@ -21,8 +23,7 @@ class LoopOptions:
     workers: int = 4
     max_tokens: int = 512
     keep: int = 2                         # checkpoints kept (~517 MB each for the default model)
-    dtype: str = "float32"                # vLLM's: the trainer's, so every update reaches it
-    max_model_len: int = 8192
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)   # how the loop starts vLLM (unless --backend)
     max_staleness: int = 0                # K: calls of versions >= v - K are trained (K >= 1: async)
     server: str | None = None             # a running rollout server (its nodes, their vLLMs)
     colocate: bool = False                # one GPU: vLLM sleeps while the trainer runs

@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 from contextlib import asynccontextmanager, contextmanager
-from typing import Annotated, Any, Iterator, Literal, Mapping, Protocol
+from typing import Annotated, Any, Iterable, Iterator, Literal, Mapping, Protocol
 
 import anyio.to_thread
 import uvicorn
@@ -48,9 +48,7 @@ _TASK_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(
 
 class RolloutAPI(Protocol):
     """What the API serves: a RolloutServer's Python API (server.py)."""
-    @property
-    def tasks(self) -> Mapping[str, Any]: ...        # task_id -> its state: is there such a task
-
+    def task_views(self, task_ids: Iterable[str] | None = None) -> Mapping[str, Any]: ...   # those it holds
     def submit(self, task: TaskRequest) -> list[str]: ...
     def task_list(self) -> list[Any]: ...
     def task_status(self, task_id: str) -> TaskStatus | None: ...
@@ -275,7 +273,8 @@ def make_app(server: RolloutAPI, threads: int = 64) -> FastAPI:
         app.add_exception_handler(kind, _mapped)
 
     def _known(task_ids: list[str]) -> None:
-        missing = [t for t in task_ids if t not in server.tasks]
+        held = server.task_views(task_ids)
+        missing = [t for t in task_ids if t not in held]
         if missing:
             raise NoSuchTask(missing)
 

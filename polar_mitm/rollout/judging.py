@@ -11,6 +11,7 @@ from typing import Mapping
 
 from .judge import JudgeError, combine, judge_group, judge_transcript, parse_judge
 from .protocol import Group
+from .rewards import failure_reward
 from .spec import TaskRequest
 from .states import Session
 
@@ -35,7 +36,7 @@ def judge_groups(groups: Mapping[str, Group], specs: Mapping[str, TaskRequest], 
             verdicts = judge_group(judge, transcripts, backend_url)
         except JudgeError as e:
             for s in done:
-                s["reward"] = 0.0 if spec.on_failure == "zero" else None
+                s["reward"] = failure_reward(spec.on_failure)
                 s["reason"] = f"judge: {e}"
                 s["stats"] = {**(s.get("stats") or {}), "judge": {"error": str(e), "call": e.call}}
             lines.append(f"{tid}: the judge failed on the group ({e})")

@@ -18,7 +18,7 @@ The task's JSON shape is the one these CLIs share:
   {"NAME": {"command": "...", "args": [...], "env": {...}}}  or  {"NAME": {"url": "http://..."}}
 for MCP servers, and {"NAME": "/path/to/dir"} for skills.
 
-How each offers the tools (tests/test_mcp_tools.py checks it in the recorded requests):
+How each offers the tools (tests/rollout/test_mcp_tools.py checks it in the recorded requests):
 Claude Code as mcp__NAME__TOOL (allowed in -p by --allowedTools mcp__NAME, harnesses.py),
 Codex as TOOL in a namespace mcp__NAME, Gemini CLI as mcp_NAME_TOOL, Qwen Code as
 mcp__NAME__TOOL but deferred: named in the system prompt, its schema in `tools` once the model

@@ -35,19 +35,19 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import httpx
 from typing_extensions import Unpack
 
 from .. import session_auth, session_ids
 from ..store import rollout_journal as journal
-from ..store.db import Reward, store_rewards
 from . import grading, harnesses, mcp
 from .grading import GradingUnavailable
 from .judge import JudgeError, JudgeSpec, combine, judge_session, judge_transcript, parse_judge
 from .protocol import (Assignment, EventDetail, Heartbeat, HeartbeatReply, NodeLoad, PolicyReport, PolicyTarget,
-                       SessionEvent)
+                       RewardRecord, SessionEvent)
+from .rewards import Outcome, failure_reward, reward_record, write_rewards
 from .runtime import LocalRuntime, Runtime, RunResult, Sandbox, SetupError
 from .spec import TaskError, TaskRequest, TestsEvaluator, parse_reward, task_from_json
 from .states import OUTCOMES, RELEASE_CAUSE, TERMINAL, ReleaseCause, Session
@@ -195,7 +195,7 @@ class GatewayNode:
         # one heartbeat at a time: two in flight would both send the same events and then
         # drop twice as many from the outbox
         self._heartbeat_lock = threading.Lock()
-        self._unsettled: dict[str, tuple[float, dict, str]] = {}   # session -> (reward, info, task), not settled yet
+        self._unsettled: dict[str, RewardRecord] = {}   # session -> its reward, kept until the server settles it
         self._settled: queue.Queue[str | None] = queue.Queue()
         self._call_stats = CoalescedCallStats(cfg.db) if cfg.db else None
         self.policy: PolicyReport | None = None
@@ -302,7 +302,18 @@ class GatewayNode:
                 self._stage.pop(w.session_id, None)
             else:
                 self._stage[w.session_id] = state
+            if state in OUTCOMES and self.cfg.db:
+                self._keep_reward(w, Outcome(session_id=w.session_id, state=state, reward=extra.get("reward"),
+                                             reason=extra.get("reason"), stats=extra.get("stats")))
             self._outbox.append(SessionEvent(session_id=w.session_id, state=state, at=time.time(), **extra))
+
+    def _keep_reward(self, w: Work, outcome: Outcome) -> None:
+        """Its reward (rewards.reward_record, as the server's group would give it), kept until
+        the server settles the outcome (its heartbeat answer): a session the server has moved
+        on from (retried elsewhere after a restart) never gets a reward."""
+        record = reward_record(outcome, w.task.on_failure)
+        if record is not None:
+            self._unsettled[w.session_id] = record
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.is_set():
@@ -408,6 +419,16 @@ class GatewayNode:
         if w.sandbox is not None:
             w.sandbox.cancel()
 
+    def _taken(self, q: queue.Queue[Work]) -> Iterator[Work]:
+        """A pool worker's work from its queue, until the node stops (polled: a stop is seen
+        within 0.2 s)."""
+        while not self._stop.is_set():
+            try:
+                w = q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            yield w
+
     # -- INIT --------------------------------------------------------------------------
     def _init_loop(self) -> None:
         while not self._stop.is_set():
@@ -440,11 +461,7 @@ class GatewayNode:
 
     # -- RUN ---------------------------------------------------------------------------
     def _run_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                w = self.ready.get(timeout=0.2)
-            except queue.Empty:
-                continue
+        for w in self._taken(self.ready):
             # paused while the backend is down: the session waits here, still READY
             while not self._backend_up.is_set() and not w.cancelled and not self._stop.is_set():
                 self._backend_up.wait(0.2)
@@ -487,11 +504,7 @@ class GatewayNode:
 
     # -- POST_RUN ----------------------------------------------------------------------
     def _post_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                w = self.post.get(timeout=0.2)
-            except queue.Empty:
-                continue
+        for w in self._taken(self.post):
             try:
                 self._finish(w)
             except Exception as e:   # a report must go out whatever broke
@@ -524,7 +537,6 @@ class GatewayNode:
         if r.timed_out:
             # The calls made so far stay in the database; the session scores 0.
             why = f"harness timed out after {w.task.timeout:g}s"
-            self._score(w, 0.0, Session.TIMED_OUT, why)
             self._report(w, Session.TIMED_OUT, reward=0.0, reason=why, stats=self._stats(w))
             return
         if r.exit_code != 0:
@@ -575,8 +587,6 @@ class GatewayNode:
                     w.stats["judge"] = {"error": str(e), "call": e.call}
                     self._failed(w, f"judge: {e}")
                     return
-        if reward is not None:
-            self._score(w, reward, Session.DONE, reason)
         self._report(w, Session.DONE, reward=reward, reason=reason, stats=self._stats(w))
 
     def _judged(self, w: Work, spec: JudgeSpec, outcome: float | None) -> float:
@@ -627,23 +637,10 @@ class GatewayNode:
         return g.reward, None if g.resolved else g.summary()
 
     def _failed(self, w: Work, reason: str) -> None:
-        """The policy's failure (its harness run or its answer): scored 0 under on_failure
-        "zero", left unrewarded (out of the group) under "drop"."""
-        if w.task.on_failure == "zero":
-            self._score(w, 0.0, Session.FAILED, reason)
-            self._report(w, Session.FAILED, reward=0.0, reason=reason, stats=self._stats(w))
-        else:
-            self._report(w, Session.FAILED, reason=reason, stats=self._stats(w))
-
-    def _score(self, w: Work, reward: float, state: Session, reason: str | None) -> None:
-        """Kept until the server settles the outcome (its heartbeat answer): a session the
-        server has moved on from (retried elsewhere after a restart) never gets a reward."""
-        if self.cfg.db:
-            with self._lock:
-                info = {"state": state, "reason": reason}
-                if "judge" in w.stats:   # the judge's call and reasoning, with the reward
-                    info["judge"] = w.stats["judge"]
-                self._unsettled[w.session_id] = (reward, info, w.task.task_id)
+        """The policy's failure (its harness run or its answer): its task's on_failure says
+        its reward (rewards.failure_reward)."""
+        self._report(w, Session.FAILED, reward=failure_reward(w.task.on_failure), reason=reason,
+                     stats=self._stats(w))
 
     def _store_rewards(self) -> None:
         """The settled rewards, all those waiting in one write: each write takes the database
@@ -659,19 +656,14 @@ class GatewayNode:
                 except queue.Empty:
                     break
             stopping = None in sids
-            rewards = []
             with self._lock:
-                for sid in filter(None, sids):
-                    scored = self._unsettled.pop(sid, None)
-                    if scored is not None:
-                        reward, info, task_id = scored
-                        rewards.append(Reward(sid, reward, info, task_id))
-            if not rewards or db is None:
+                records = [r for sid in filter(None, sids) if (r := self._unsettled.pop(sid, None)) is not None]
+            if not records or db is None:
                 continue
             try:
-                store_rewards(db, rewards, timeout=120.0)
+                write_rewards({db: records})
             except Exception:   # the server holds them too: the loop and `rollout` store them from there
-                log.exception("storing the rewards of %s failed", ", ".join(r.session_id for r in rewards))
+                log.exception("storing the rewards of %s failed", ", ".join(r["session_id"] for r in records))
 
     def _released(self, w: Work) -> tuple[ReleaseCause, str] | None:
         """Why the session goes back to the server unscored, if it does: its recorded calls

@@ -20,7 +20,7 @@ even on_failure "zero"'s 0.0: the failure is not the policy's).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Iterable, Union
 
 from .. import session_ids
 from .protocol import (Assignment, Group, Heartbeat, NodePolicy, PolicyReport, SessionEvent, SessionResult, Status,
@@ -62,6 +62,15 @@ def release_cause(s: SessionState) -> ReleaseCause | None:
     return None if cause == ReleaseCause.NODE_STOPPED else cause
 
 
+@dataclass(frozen=True)
+class TaskView:
+    """A task as the server held it at one moment: a copy, for callers outside its lock."""
+    spec: TaskRequest
+    state: Task
+    callback_state: Callback | None
+    cancel_reason: str | None
+
+
 @dataclass
 class TaskState:
     spec: TaskRequest
@@ -72,6 +81,9 @@ class TaskState:
     cancel_reason: str | None = None
     latest: dict[int, str] = field(default_factory=dict)     # sample -> its current session id
     attempts: list[str] = field(default_factory=list)        # every session id, in order made
+
+    def view(self) -> TaskView:
+        return TaskView(self.spec, self.state, self.callback_state, self.cancel_reason)
 
 
 @dataclass
@@ -433,6 +445,11 @@ class Scheduler:
             return None
         return TaskStatus(task_id=task_id, state=ts.state, callback_state=ts.callback_state,
                           sessions=[self.sessions[sid].result() for sid in ts.attempts])
+
+    def task_views(self, task_ids: Iterable[str] | None = None) -> dict[str, TaskView]:
+        """Those of these tasks it holds (None: every one), as they are now."""
+        ids = list(self.tasks) if task_ids is None else [t for t in task_ids if t in self.tasks]
+        return {t: self.tasks[t].view() for t in ids}
 
     def task_list(self) -> list[TaskBrief]:
         return [TaskBrief(task_id=t, state=ts.state) for t, ts in self.tasks.items()]

@@ -28,6 +28,7 @@ import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable
 
 import httpx
 
@@ -36,8 +37,8 @@ from ..store.journal_log import JournalLog
 from .http_api import ThreadedUvicorn, make_app
 from .protocol import (Group, Heartbeat, HeartbeatReply, PolicyStatus, PolicyTarget, Status, TaskBrief,
                        TaskStatus)
-from .scheduler import (CallbackDue, Effect, NodeState, Noted, Scheduler, SessionMoved, SessionState, TaskMoved,
-                        TaskState)
+from .scheduler import (CallbackDue, Effect, Noted, Scheduler, SessionMoved, SessionState, TaskMoved, TaskState,
+                        TaskView)
 from .spec import TaskRequest, check_workspace, parse_task, task_from_json
 from .states import TASK_SETTLED, Callback, Session, Task
 
@@ -91,19 +92,6 @@ class RolloutServer:
         self.url = f"http://{host}:{self._http.port}"
         self._client = httpx.Client(timeout=httpx.Timeout(callback_timeout, connect=min(5.0, callback_timeout)),
                                     trust_env=False, limits=httpx.Limits(max_connections=callback_workers))
-
-    # the scheduler's state, read under the lock
-    @property
-    def tasks(self) -> dict[str, TaskState]:
-        return self.scheduler.tasks
-
-    @property
-    def sessions(self) -> dict[str, SessionState]:
-        return self.scheduler.sessions
-
-    @property
-    def nodes(self) -> dict[str, NodeState]:
-        return self.scheduler.nodes
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> "RolloutServer":
@@ -172,6 +160,12 @@ class RolloutServer:
         with self._lock:
             return self.scheduler.task_status(task_id)
 
+    def task_views(self, task_ids: Iterable[str] | None = None) -> dict[str, TaskView]:
+        """Those of these tasks it holds (None: every one), each a copy of its spec and states
+        now: the scheduler's own records change under its lock, and are never handed out."""
+        with self._lock:
+            return self.scheduler.task_views(task_ids)
+
     def task_list(self) -> list[TaskBrief]:
         """Every task and its state, in the order submitted."""
         with self._lock:
@@ -191,9 +185,10 @@ class RolloutServer:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:
             while True:
-                ids = task_ids if task_ids is not None else list(self.tasks)
-                if all(self.tasks[t].state in TASK_SETTLED
-                       and self.tasks[t].callback_state in (None, Callback.SENT, Callback.FAILED) for t in ids):
+                tasks = self.scheduler.tasks
+                ids = task_ids if task_ids is not None else list(tasks)
+                if all(tasks[t].state in TASK_SETTLED
+                       and tasks[t].callback_state in (None, Callback.SENT, Callback.FAILED) for t in ids):
                     break
                 left = None if deadline is None else deadline - time.monotonic()
                 if (left is not None and left <= 0) or self._stop.is_set():
@@ -217,8 +212,8 @@ class RolloutServer:
             for when, _, tid in self._callbacks:
                 due[tid] = min(when, due.get(tid, when))
             now, out = time.monotonic(), []
-            for tid in (task_ids if task_ids is not None else list(self.tasks)):
-                ts = self.tasks.get(tid)
+            for tid in (task_ids if task_ids is not None else list(sched.tasks)):
+                ts = sched.tasks.get(tid)
                 if ts is None or ts.callback_state != Callback.PENDING:
                     continue
                 tries = ts.callback_tries
@@ -321,7 +316,7 @@ class RolloutServer:
         if self._stop.is_set():
             return        # still "pending" in the database: a restarted server sends it
         with self._lock:
-            url, body = self.tasks[task_id].spec.callback_url, self.scheduler.group(task_id)
+            url, body = self.scheduler.tasks[task_id].spec.callback_url, self.scheduler.group(task_id)
         ok, error = False, None
         try:
             r = self._client.post(str(url), json=body)
@@ -336,7 +331,7 @@ class RolloutServer:
             if not ok:
                 self._callback_errors[task_id] = str(error)[:200]
             self._perform(self.scheduler.callback_result(task_id, attempt, ok, error))
-            if self.tasks[task_id].callback_state != Callback.PENDING:
+            if self.scheduler.tasks[task_id].callback_state != Callback.PENDING:
                 self._callback_tasks.discard(task_id)
 
     # -- journal ---------------------------------------------------------------------
@@ -408,8 +403,9 @@ class RolloutServer:
                     return
                 tasks, sessions, events = self._dirty_tasks, self._dirty_sessions, self._events
                 self._dirty_tasks, self._dirty_sessions, self._events = set(), set(), []
-                batch = journal.Batch(tasks=[_task_row(self.tasks[t]) for t in tasks],
-                                      sessions=[_session_row(self.sessions[s]) for s in sessions], events=events)
+                batch = journal.Batch(tasks=[_task_row(self.scheduler.tasks[t]) for t in tasks],
+                                      sessions=[_session_row(self.scheduler.sessions[s]) for s in sessions],
+                                      events=events)
             t0 = time.monotonic()
             try:
                 self._journal_log().append(batch)

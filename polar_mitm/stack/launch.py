@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from ..janitor import janitor
+from .vllm import VLLMSettings
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 TEMPLATES = PACKAGE_DIR / "templates"
@@ -233,18 +234,16 @@ def wait_addon(port: int, service: Service, timeout: float = 20.0, control_token
 
 
 def start_vllm(model_dir: str | Path, *, port: int, served_name: str, log_path: Path,
-               max_model_len: int = 8192, chat_template: str | Path | None = None,
+               settings: VLLMSettings = VLLMSettings(), chat_template: str | Path | None = None,
                tool_parser: str = "hermes", extra_args: list[str] | None = None,
-               timeout: float = 900, dtype: str = "float32") -> Service:
-    """vLLM in dev mode (its weights reload in place). dtype: the trainer's, by default: a
-    bf16 server drops most of a small update (at lr 1e-5 ~2% of bf16 weights change)."""
+               timeout: float = 900) -> Service:
+    """vLLM in dev mode (its weights reload in place), started with settings (stack/vllm.py:
+    its dtype is the trainer's, by default: a bf16 server drops most of a small update, at lr
+    1e-5 ~2% of bf16 weights change). chat_template: settings' rule for model_dir unless given."""
     argv = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
-            "--served-model-name", served_name, "--dtype", dtype,
-            "--enable-auto-tool-choice", "--tool-call-parser", tool_parser]
-    if chat_template:
-        argv += ["--chat-template", str(chat_template)]
-    argv += extra_args or []
+            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_name,
+            "--enable-auto-tool-choice", "--tool-call-parser", tool_parser,
+            *settings.args(model_dir, chat_template), *(extra_args or [])]
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
            # dev mode mounts /collective_rpc (reload_weights) and /reset_prefix_cache: syncs
            "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",

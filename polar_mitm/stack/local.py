@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -15,12 +16,21 @@ import orjson
 
 from . import launch
 from .launch import Service
+from .vllm import VLLMSettings
 from ..models import DEFAULT_MODEL_NAME, ensure_default_model
 from ..rollout import GatewayNode, NodeConfig, RolloutServer, TaskError, TaskRequest, parse_task
 from ..rollout import harnesses
 from ..rollout.node import probe_backend
 from ..rollout.runtime import LocalRuntime
 from ..rollout.spec import check_workspace
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where rollouts go: the rollout server, and the vLLM its node on this machine samples
+    (None: a remote server's nodes have their own)."""
+    server: str
+    backend: str | None
 
 
 class Stack:
@@ -45,18 +55,18 @@ class Stack:
         self.services.append(service)
         return service
 
-    def start_model(self, logs: Path, max_model_len: int, model: str = "", dtype: str = "float32") -> str:
+    def start_model(self, logs: Path, vllm: VLLMSettings, model: str = "",
+                    echo: Callable[[str], None] = click.echo) -> str:
         """vLLM serving `model` (a checkpoint of the default model, polar-train's, or any HF
         directory; default: the embedded default model); returns its URL."""
-        model_dir = model or ensure_default_model(log=click.echo)
+        model_dir = model or ensure_default_model(log=echo)
         vport = launch.free_port()
-        click.echo(f"starting vLLM ({model_dir}, {dtype}) on 127.0.0.1:{vport}; "
-                   f"log {logs / 'vllm.log'} (first start takes minutes on CPU)")
+        echo(f"starting vLLM ({model_dir}, {vllm.dtype}) on 127.0.0.1:{vport}; "
+             f"log {logs / 'vllm.log'} (first start takes minutes on CPU)")
         t0 = time.time()
-        self.add(launch.start_vllm(
-            model_dir, port=vport, served_name=DEFAULT_MODEL_NAME, log_path=logs / "vllm.log",
-            max_model_len=max_model_len, chat_template=launch.TEMPLATES / "smollm2_tools.jinja", dtype=dtype))
-        click.echo(f"vLLM ready after {time.time() - t0:.0f}s")
+        self.add(launch.start_vllm(model_dir, port=vport, served_name=DEFAULT_MODEL_NAME,
+                                   log_path=logs / "vllm.log", settings=vllm))
+        echo(f"vLLM ready after {time.time() - t0:.0f}s")
         url = f"http://127.0.0.1:{vport}"
         self.weights[url] = str(Path(model_dir).resolve())
         return url
@@ -69,12 +79,11 @@ class Stack:
         return sets
 
     def start_gateway(self, db: str, backend: str, port: int, reverse_port: int | None, confdir: str | Path,
-                      logs: Path, max_model_len: int, model: str = "", dtype: str = "float32",
-                      control_token: str | None = None) -> str:
+                      logs: Path, vllm: VLLMSettings, model: str = "", control_token: str | None = None) -> str:
         """vLLM (unless a backend is given) and the proxy before it; returns the backend.
         control_token: syncs on, and every call must carry its session's credential."""
         if not backend:
-            backend = self.start_model(logs, max_model_len, model, dtype)
+            backend = self.start_model(logs, vllm, model)
         self.add(launch.start_proxy(db=db, backend=backend, port=port, confdir=confdir,
                                     log_path=logs / "mitmdump.log", reverse_port=reverse_port,
                                     control_token=control_token,
@@ -85,6 +94,23 @@ class Stack:
     def start_server(self, db: str, **options: Any) -> RolloutServer:
         self.server = RolloutServer(db, **options).start()
         return self.server
+
+    def start_rollouts(self, *, server: str | None, backend: str | None, db: str, work: Path, weights: str,
+                       version: int, vllm: VLLMSettings, workers: int, max_tokens: int | None,
+                       temperature: float, fold_s: float | None = None,
+                       echo: Callable[[str], None] = click.echo) -> Endpoints:
+        """Where the loop's rollouts run: a remote rollout server (its nodes bring their own
+        vLLMs: nothing starts here), or on this machine vLLM serving `weights` as policy
+        `version` (unless backend: a running one), a rollout server and one gateway node.
+        fold_s: how often the server folds its journal by itself (None: its default)."""
+        if server:
+            return Endpoints(server=server, backend=None)
+        backend = backend or self.start_model(work, vllm, weights, echo)
+        url = self.start_server(db, **({"fold_s": fold_s} if fold_s is not None else {})).url
+        self.start_node(db=db, backend=backend, work=work, proxy_port=launch.free_port(), workers=workers,
+                        max_tokens=max_tokens, server_url=url, temperature=temperature,
+                        extra_sets=[f"polar_policy_version={version}", f"polar_policy_checkpoint={weights}"])
+        return Endpoints(server=url, backend=backend)
 
     def start_node(self, *, db: str, backend: str, work: Path, proxy_port: int, workers: int,
                    max_tokens: int | None, server_url: str, node_id: str | None = None,
@@ -242,27 +268,3 @@ def ensure_harnesses(names: Iterable[str]) -> None:
             pkg = harnesses.PACKAGES[name]
             click.echo(f"installing {name} ({pkg.npm}@{pkg.version})")
             harnesses.install(name)
-
-
-def start_node_stack(*, db: str, backend: str, work: Path, proxy_port: int, workers: int,
-                     max_tokens: int | None, server_url: str, node_id: str | None = None,
-                     extra_sets: list[str] | None = None,
-                     temperature: float | None = None) -> tuple[Service, GatewayNode]:
-    """Stack.start_node for a caller that owns the proxy and the node itself: (proxy, node)."""
-    stack = Stack()
-    try:
-        node = stack.start_node(db=db, backend=backend, work=work, proxy_port=proxy_port, workers=workers,
-                                max_tokens=max_tokens, server_url=server_url, node_id=node_id,
-                                extra_sets=extra_sets, temperature=temperature)
-    except BaseException:
-        stack.stop()
-        raise
-    return stack.services[0], node
-
-
-def stop_stack(node: GatewayNode | None, server: RolloutServer | None, services: Iterable[Service]) -> None:
-    """Stop a node, a rollout server and services (a Stack of them), in the reverse order of
-    their start."""
-    stack = Stack()
-    stack.services, stack.server, stack.nodes = list(services), server, [node] if node else []
-    stack.stop()

@@ -1,11 +1,12 @@
 """The proxy's durable call log: append-only segments `<db>.log/NNNNNNNNNNNN.jsonl`, one
 JSON record per line. A call is acknowledged once its line is fsynced here; the loader
-(writer.py) moves lines into DuckDB later, and remembers how far it got inside the same
+(loader.py) moves lines into DuckDB later, and remembers how far it got inside the same
 transaction, so every acknowledged call lands exactly once whatever crashes when.
 
 A process appends only to a segment it created itself: after a crash the last segment may
 end in a torn line (never acknowledged, since its fsync never returned), which readers of
-the log skip, and nothing is ever appended after it."""
+the log skip, and nothing is ever appended after it. Who may load a log, and which database
+it belongs to: calllog_owner.py."""
 
 from __future__ import annotations
 
@@ -183,3 +184,14 @@ def drop_loaded(directory: Path, position: Position, keep_from: int) -> None:
                 os.unlink(segment_path(directory, seg))
             except FileNotFoundError:
                 pass
+
+
+def log_end(directory: Path) -> Position:
+    """The end of the log as it is now (a torn last line included: reads stop before it)."""
+    ids = segment_ids(directory)
+    if not ids:
+        return Position()
+    try:
+        return Position(ids[-1], os.path.getsize(segment_path(directory, ids[-1])))
+    except FileNotFoundError:
+        return Position(ids[-1], 0)

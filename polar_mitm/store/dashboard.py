@@ -32,7 +32,8 @@ from . import journal_log
 from .db import reading
 from .delta import apply_prompt, apply_text
 from .loop import standard_error   # the loop's rule: the dashboard shows the figures it prints
-from .transcripts import _last_main_call, _with_answer
+from .rollout_journal import folded_segment
+from .transcripts import body_with_answer, last_main_call
 
 
 # -- names -----------------------------------------------------------------------------------
@@ -110,15 +111,16 @@ class TaskLite(TypedDict):
     order: int | None            # submitted as the server's n-th task
 
 
-class SessionLite(TypedDict):
+class SessionLite(journal_log.SessionStanding):
     session_id: str
-    task_id: str
-    sample: int
-    attempt: int
-    state: str
-    node_id: str | None
-    reward: float | None
-    reason: str | None
+
+
+def _read_sessions(con: duckdb.DuckDBPyConnection, where: str, params: list) -> dict[str, SessionLite]:
+    """rollout_sessions' rows (`where`: the SQL after FROM), light: no stats, no outputs."""
+    return {r[0]: SessionLite(session_id=r[0], task_id=r[1], sample=r[2], attempt=r[3], state=r[4], node_id=r[5],
+                              reward=r[6], reason=r[7])
+            for r in con.execute("SELECT session_id, task_id, sample, attempt, state, node_id, reward, reason "
+                                 f"FROM rollout_sessions {where}", params).fetchall()}
 
 
 def _task_lite(task_id: str, state: str, spec: dict | None, order: int | None) -> TaskLite:
@@ -145,13 +147,8 @@ def _read_rollout(con: duckdb.DuckDBPyConnection, tables: set[str], task_ids: li
              for r in con.execute(
                  f"SELECT task_id, state, TRY_CAST(spec->>'num_samples' AS INTEGER), spec->>'instruction', {order} "
                  f"FROM rollout_tasks {where} ORDER BY submitted_at, {order}, task_id", params).fetchall()}
-    sessions = {r[0]: SessionLite(session_id=r[0], task_id=r[1], sample=r[2], attempt=r[3], state=r[4], node_id=r[5],
-                                  reward=r[6], reason=r[7])
-                for r in con.execute(
-                    "SELECT session_id, task_id, sample, attempt, state, node_id, reward, reason "
-                    f"FROM rollout_sessions {where} ORDER BY task_id, sample, attempt", params).fetchall()}
-    row = con.execute("SELECT value FROM meta WHERE key = ?", [journal_log.FOLDED_KEY]).fetchone()
-    return tasks, sessions, int(row[0]) if row else 0
+    sessions = _read_sessions(con, f"{where} ORDER BY task_id, sample, attempt", params)
+    return tasks, sessions, folded_segment(con)
 
 
 Segments = list[tuple[int, list[journal_log.Batch]]]
@@ -651,14 +648,7 @@ class Conversation(TypedDict):
     main_calls: list[int]         # the main chain's answered calls' seqs, in order
 
 
-class RolloutSession(TypedDict):
-    task_id: str
-    sample: int
-    attempt: int
-    state: str
-    node_id: str | None
-    reward: float | None
-    reason: str | None
+class RolloutSession(journal_log.SessionStanding):
     stats: dict[str, Any] | None
     harness_output: str | None
     eval_output: str | None
@@ -698,8 +688,7 @@ def session(db: str | os.PathLike, session_id: str, timeout: float = 30.0) -> Se
             rrow = None
             instruction = None
             response = None
-            row = con.execute("SELECT value FROM meta WHERE key = ?", [journal_log.FOLDED_KEY]).fetchone()
-            folded = int(row[0]) if row else 0
+            folded = folded_segment(con)
             if "rollout_sessions" in tables:
                 cols = _columns(con, "rollout_sessions")
                 out = "harness_output, eval_output" if "harness_output" in cols else "NULL, NULL"
@@ -719,7 +708,7 @@ def session(db: str | os.PathLike, session_id: str, timeout: float = 30.0) -> Se
                                                            [task_id]).fetchall()]
             main = None
             if rows:
-                main_id, answered = _last_main_call([(r[0], r[9], r[-1]) for r in rows])
+                main_id, answered = last_main_call([(r[0], r[9], r[-1]) for r in rows])
                 main = (main_id, answered)
                 if answered:
                     got = con.execute("SELECT response_json FROM call_records WHERE session_id = ? AND call_id = ?",
@@ -830,7 +819,7 @@ def _conversation(call: CallData, request_text: str | None, response: Any, answe
         chat = None
         if response is not None:
             try:
-                chat = adapter(style).to_chat(_with_answer(style, body, response), call["path"] or "")
+                chat = adapter(style).to_chat(body_with_answer(style, body, response), call["path"] or "")
             except (AdapterError, KeyError, IndexError, TypeError, AttributeError, ValueError):
                 chat = None
         if chat is None:
@@ -895,15 +884,10 @@ def task_sessions(db: str | os.PathLike, base_task: str, timeout: float = 30.0) 
         with _reading(db, timeout) as con:
             tables = _tables(con)
             sessions: dict[str, SessionLite] = {}
-            row = con.execute("SELECT value FROM meta WHERE key = ?", [journal_log.FOLDED_KEY]).fetchone()
-            folded = int(row[0]) if row else 0
+            folded = folded_segment(con)
             if "rollout_sessions" in tables:
-                sessions = {r[0]: SessionLite(session_id=r[0], task_id=r[1], sample=r[2], attempt=r[3], state=r[4],
-                                              node_id=r[5], reward=r[6], reason=r[7])
-                            for r in con.execute(
-                                "SELECT session_id, task_id, sample, attempt, state, node_id, reward, reason "
-                                "FROM rollout_sessions WHERE task_id = ? OR starts_with(task_id, ?)",
-                                [base_task, prefix]).fetchall() if matches(r[1])}
+                sessions = {sid: s for sid, s in _read_sessions(con, "WHERE task_id = ? OR starts_with(task_id, ?)",
+                                                                [base_task, prefix]).items() if matches(s["task_id"])}
             named: dict[str, tuple[str, float | None]] = {}
             if "sessions" in tables:
                 named = {r[0]: (r[1], r[2]) for r in con.execute(

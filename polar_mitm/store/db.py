@@ -20,6 +20,7 @@ import duckdb
 import orjson
 
 from ..session_ids import task_of
+from .calllog_owner import DB_ID_KEY
 from .connection import StoreBusy, _is_lock_error, _sql_path, connect  # noqa: F401 - re-exported
 from .schema import MIGRATIONS
 
@@ -206,8 +207,8 @@ def init_db(path: str | os.PathLike, timeout: float = 30.0) -> str:
             return row[0]
         salt = os.urandom(16).hex()
         con.execute("INSERT INTO meta VALUES ('key_salt', ?)", [salt])
-        if fresh:   # which call log is this database's (see loader.owns_log)
-            con.execute("INSERT INTO meta VALUES ('db_id', ?) ON CONFLICT DO NOTHING", [os.urandom(16).hex()])
+        if fresh:   # which call log is this database's (see calllog_owner.owns_log)
+            con.execute("INSERT INTO meta VALUES (?, ?) ON CONFLICT DO NOTHING", [DB_ID_KEY, os.urandom(16).hex()])
     if fresh:
         os.chmod(path, 0o600)   # prompts and answers are nobody else's business
     return salt

@@ -7,7 +7,7 @@ extends turn k-1's prompt + sampled tokens. So against the right base call:
     prompt ids   = (base prompt ids + base token ids)[:shared] + suffix ids
 The calls view (schema.py) applies these rules recursively; `apply_ids` here is the same
 rule in Python, for the trainer's reader, which rebuilds whole sessions at once. (The exact,
-unblocked reference algorithms the tests check these against are tests/delta_oracles.py.)"""
+unblocked reference algorithms the tests check these against are tests/support/delta_oracles.py.)"""
 
 from __future__ import annotations
 

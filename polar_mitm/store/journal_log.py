@@ -46,8 +46,9 @@ class TaskRow(TypedDict):
     cancel_reason: str | None    # saved as its STOPPING event's detail (not a column)
 
 
-class SessionRow(TypedDict):
-    session_id: str
+class SessionStanding(TypedDict):
+    """Where a rollout session stands: the task's sample it is an attempt at, its state, the
+    node running it, its reward and why it ended (the columns every reader of it shares)."""
     task_id: str
     sample: int
     attempt: int
@@ -55,6 +56,10 @@ class SessionRow(TypedDict):
     node_id: str | None
     reward: float | None
     reason: str | None
+
+
+class SessionRow(SessionStanding):
+    session_id: str
     stats: dict | None
 
 

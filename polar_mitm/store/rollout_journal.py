@@ -17,6 +17,7 @@ import orjson
 from . import journal_log
 from .journal_log import Batch, Event, SessionRow, TaskRow  # noqa: F401 - the journal's rows, re-exported
 from .db import init_db, reading, writing
+from .meta import meta_value, set_meta_value
 
 
 STOPPING = "stopping"      # a task-level event: its unfinished sessions are being stopped (detail: why)
@@ -63,9 +64,9 @@ def save(path: str | os.PathLike, batch: Batch, timeout: float = 60.0) -> None:
             raise
 
 
-def _folded(con) -> int:
-    row = con.execute("SELECT value FROM meta WHERE key = ?", [journal_log.FOLDED_KEY]).fetchone()
-    return int(row[0]) if row else 0
+def folded_segment(con) -> int:
+    """The number of the journal log's last segment folded into the tables (0: none)."""
+    return int(meta_value(con, journal_log.FOLDED_KEY) or 0)
 
 
 def folded_through(path: str | os.PathLike, timeout: float = 60.0) -> int:
@@ -73,7 +74,7 @@ def folded_through(path: str | os.PathLike, timeout: float = 60.0) -> int:
     if not os.path.exists(path):
         return 0
     with reading(path, timeout) as con:
-        return _folded(con)
+        return folded_segment(con)
 
 
 def save_segments(path: str | os.PathLike, segments: list[tuple[int, list[Batch]]], timeout: float = 60.0) -> int:
@@ -83,14 +84,13 @@ def save_segments(path: str | os.PathLike, segments: list[tuple[int, list[Batch]
     with writing(path, timeout) as con:
         con.execute("BEGIN")
         try:
-            done = _folded(con)
+            done = folded_segment(con)
             todo = [(n, batches) for n, batches in segments if n > done]
             if not todo:
                 con.execute("ROLLBACK")
                 return 0
             _apply(con, journal_log.merge([b for _, batches in todo for b in batches]))
-            con.execute("INSERT INTO meta VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-                        [journal_log.FOLDED_KEY, str(todo[-1][0])])
+            set_meta_value(con, journal_log.FOLDED_KEY, str(todo[-1][0]))
             con.execute("COMMIT")
         except BaseException:
             con.execute("ROLLBACK")
@@ -184,7 +184,7 @@ def _load_tables(path: str | os.PathLike, timeout: float) -> tuple[list[TaskRow]
                     for r in con.execute("SELECT session_id, task_id, sample, attempt, state, node_id, "
                                          "reward, reason, stats, harness_output, eval_output "
                                          "FROM rollout_sessions ORDER BY task_id, sample, attempt").fetchall()]
-        folded = _folded(con)
+        folded = folded_segment(con)
     return tasks, sessions, folded
 
 

@@ -77,6 +77,39 @@ def _whole_calls(where: str = "TRUE", where_c: str = "TRUE") -> str:
     return _WHOLE_CALLS.format(where=where, where_c=where_c)
 
 
+# The inspection views, as migration 1 made them over whole calls and migration 2 remakes
+# them over call_records; formatted, each migration's SQL is what it was.
+_CALL_VIEWS = """
+    CREATE VIEW session_turns AS
+        SELECT session_id, seq, style, requested_model, served_model, finish_reason,
+               {turn_prompt_len}, len(token_ids) AS completion_len,
+               status_code, error_kind, total_ms, created_at
+        FROM {calls} ORDER BY session_id, seq;
+    CREATE VIEW session_summary AS
+        SELECT s.session_id, s.task_id, s.source, s.reward, count(c.call_id) AS calls,
+               count(c.error) AS failed_calls,
+               sum({call_prompt_len}) AS prompt_tokens,
+               sum(len(c.token_ids)) AS completion_tokens,
+               min(c.created_at) AS first_call, max(c.created_at) AS last_call
+        FROM sessions s LEFT JOIN {calls} c USING (session_id)
+        GROUP BY ALL ORDER BY s.session_id;
+    CREATE VIEW task_groups AS
+        SELECT task_id, count(*) AS sessions, count(reward) AS rewarded,
+               avg(reward) AS mean_reward, stddev_pop(reward) AS reward_std,
+               sum(calls) AS calls
+        FROM session_summary WHERE task_id IS NOT NULL
+        GROUP BY task_id ORDER BY task_id;
+    CREATE VIEW failures AS
+        SELECT session_id, seq, style, path, status_code, error_kind, error, total_ms, created_at
+        FROM {calls} WHERE error IS NOT NULL ORDER BY created_at;"""
+
+
+def _call_views(calls: str, turn_prompt_len: str, call_prompt_len: str) -> str:
+    """calls: the table of calls; turn_prompt_len: session_turns' prompt_len column;
+    call_prompt_len: a call c's prompt length."""
+    return _CALL_VIEWS.format(calls=calls, turn_prompt_len=turn_prompt_len, call_prompt_len=call_prompt_len)
+
+
 MIGRATIONS: list[str] = [
     # 1: sessions, calls and the inspection views
     """
@@ -122,29 +155,7 @@ MIGRATIONS: list[str] = [
         dropped              VARCHAR[],            -- provider fields not forwarded
         started_at           TIMESTAMPTZ,
         created_at           TIMESTAMPTZ DEFAULT now()
-    );
-    CREATE VIEW session_turns AS
-        SELECT session_id, seq, style, requested_model, served_model, finish_reason,
-               len(prompt_token_ids) AS prompt_len, len(token_ids) AS completion_len,
-               status_code, error_kind, total_ms, created_at
-        FROM calls ORDER BY session_id, seq;
-    CREATE VIEW session_summary AS
-        SELECT s.session_id, s.task_id, s.source, s.reward, count(c.call_id) AS calls,
-               count(c.error) AS failed_calls,
-               sum(len(c.prompt_token_ids)) AS prompt_tokens,
-               sum(len(c.token_ids)) AS completion_tokens,
-               min(c.created_at) AS first_call, max(c.created_at) AS last_call
-        FROM sessions s LEFT JOIN calls c USING (session_id)
-        GROUP BY ALL ORDER BY s.session_id;
-    CREATE VIEW task_groups AS
-        SELECT task_id, count(*) AS sessions, count(reward) AS rewarded,
-               avg(reward) AS mean_reward, stddev_pop(reward) AS reward_std,
-               sum(calls) AS calls
-        FROM session_summary WHERE task_id IS NOT NULL
-        GROUP BY task_id ORDER BY task_id;
-    CREATE VIEW failures AS
-        SELECT session_id, seq, style, path, status_code, error_kind, error, total_ms, created_at
-        FROM calls WHERE error IS NOT NULL ORDER BY created_at;
+    );""" + _call_views("calls", "len(prompt_token_ids) AS prompt_len", "len(c.prompt_token_ids)") + """
     """,
     # 2: each conversation stored once. call_records keeps the harness's request text and
     # the prompt token ids as deltas against an earlier call of the session (delta.py);
@@ -164,29 +175,7 @@ MIGRATIONS: list[str] = [
         FROM calls;
     UPDATE call_records SET request_chars = length(request_middle);
     DROP TABLE calls;
-    CREATE VIEW calls AS""" + _whole_calls() + """;
-    CREATE VIEW session_turns AS
-        SELECT session_id, seq, style, requested_model, served_model, finish_reason,
-               prompt_len, len(token_ids) AS completion_len,
-               status_code, error_kind, total_ms, created_at
-        FROM call_records ORDER BY session_id, seq;
-    CREATE VIEW session_summary AS
-        SELECT s.session_id, s.task_id, s.source, s.reward, count(c.call_id) AS calls,
-               count(c.error) AS failed_calls,
-               sum(c.prompt_len) AS prompt_tokens,
-               sum(len(c.token_ids)) AS completion_tokens,
-               min(c.created_at) AS first_call, max(c.created_at) AS last_call
-        FROM sessions s LEFT JOIN call_records c USING (session_id)
-        GROUP BY ALL ORDER BY s.session_id;
-    CREATE VIEW task_groups AS
-        SELECT task_id, count(*) AS sessions, count(reward) AS rewarded,
-               avg(reward) AS mean_reward, stddev_pop(reward) AS reward_std,
-               sum(calls) AS calls
-        FROM session_summary WHERE task_id IS NOT NULL
-        GROUP BY task_id ORDER BY task_id;
-    CREATE VIEW failures AS
-        SELECT session_id, seq, style, path, status_code, error_kind, error, total_ms, created_at
-        FROM call_records WHERE error IS NOT NULL ORDER BY created_at;
+    CREATE VIEW calls AS""" + _whole_calls() + """;""" + _call_views("call_records", "prompt_len", "c.prompt_len") + """
     """,
     # 3: the calls of one session, rebuilt from their deltas without rebuilding every call in
     # the file (a filter on the calls view does not reach into its recursion)

@@ -58,7 +58,7 @@ from ..adapters.backend import to_backend
 from ..session_ids import attempt_of, parse_run_task, task_of, task_of_run
 from .db import reading
 from .delta import apply_prompt, apply_text
-from .transcripts import _with_answer
+from .transcripts import body_with_answer
 
 Format = Literal["messages", "tokens"]
 FORMATS: tuple[Format, ...] = ("messages", "tokens")
@@ -230,7 +230,7 @@ def _answer(style: str, path: str, body: Any, response: Any, model: str, asked: 
     if not isinstance(response, dict):
         return None
     try:
-        chat = adapter(style).to_chat(_with_answer(style, body, response), path)
+        chat = adapter(style).to_chat(body_with_answer(style, body, response), path)
         messages = to_backend(chat, model)["messages"]
     except (AdapterError, KeyError, IndexError, TypeError, AttributeError, ValueError):
         return None

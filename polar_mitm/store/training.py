@@ -13,7 +13,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Collection, Iterable, Mapping
 
 import orjson
 
@@ -192,14 +192,8 @@ def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None 
                 session_id=session_id, group=task_id or session_id, seq=seq, prompt=list(prompt),
                 tokens=list(tokens), logprobs=[float(x) for x in logprobs], finish_reason=finish,
                 policy_version=version, reward=reward, db=str(path)))
-    # One session per sample: when a retry (TASK~i.r2) and the attempt it replaced (TASK~i,
-    # rewarded before its node was declared lost) both have rewards, the latest counts, so
-    # a group never holds more rewarded sessions than samples.
-    latest: dict[str, int] = {}
-    for sid in kept_sessions:
-        sample, attempt = attempt_of(sid)
-        latest[sample] = max(latest.get(sample, 0), attempt)
-    superseded = {sid for sid in kept_sessions if attempt_of(sid)[1] < latest[attempt_of(sid)[0]]}
+    # one session per sample: the calls of an attempt a retry superseded are left out
+    superseded = kept_sessions - latest_attempts(kept_sessions)
     if superseded:
         out.skipped["superseded_attempt"] += sum(c.session_id in superseded for c in out.calls)
         out.calls = [c for c in out.calls if c.session_id not in superseded]
@@ -209,13 +203,20 @@ def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None 
     out.calls.sort(key=lambda c: (c.group, c.session_id, c.seq))
     read = {c.group for c in out.calls}
     chosen = [sid for sid in rewards if groups[sid] in read and (not sessions or sid in sessions)]
-    final: dict[str, int] = {}
-    for sid in chosen:
-        sample, attempt = attempt_of(sid)
-        final[sample] = max(final.get(sample, 0), attempt)
-    out.rewards = {sid: SessionReward(groups[sid], float(rewards[sid])) for sid in chosen
-                   if attempt_of(sid)[1] == final[attempt_of(sid)[0]]}
+    final = latest_attempts(chosen)
+    out.rewards = {sid: SessionReward(groups[sid], float(rewards[sid])) for sid in chosen if sid in final}
     return out
+
+
+def latest_attempts(session_ids: Collection[str]) -> set[str]:
+    """Of these sessions, each sample's latest attempt: when a retry (TASK~i.r2) and the
+    attempt it replaced (TASK~i, rewarded before its node was declared lost) both have
+    rewards, the latest counts, so a group never holds more rewarded sessions than samples."""
+    latest: dict[str, int] = {}
+    for sid in session_ids:
+        sample, attempt = attempt_of(sid)
+        latest[sample] = max(latest.get(sample, 0), attempt)
+    return {sid for sid in session_ids if attempt_of(sid)[1] == latest[attempt_of(sid)[0]]}
 
 
 def _main_models(rows) -> dict[str, str | None]:

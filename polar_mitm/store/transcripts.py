@@ -15,7 +15,7 @@ import copy
 import os
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -60,7 +60,7 @@ def transcript(db: str | os.PathLike, session_id: str, instruction: str | None =
         calls = con.execute(_CALLS, [session_id]).fetchall()
         if not calls:
             raise LookupError(f"{session_id}: no recorded call in {db}")
-        call_id, answered = _last_main_call(calls)
+        call_id, answered = last_main_call(calls)
         row = con.execute(_CALL, [session_id, call_id]).fetchone()
         if row is None:   # its delta chain is broken: no request to read
             raise LookupError(f"{session_id}: call {call_id} cannot be rebuilt from {db}")
@@ -76,13 +76,19 @@ def transcript(db: str | os.PathLike, session_id: str, instruction: str | None =
     return Transcript(session_id, instruction, turns, final)
 
 
-def _last_main_call(calls: list[tuple[str, str | None, bool]]) -> tuple[str, bool]:
-    """(call id, whether it was answered) of the main chain's last answered call; with no
-    answered call, its last call (its request still holds the conversation so far)."""
+class MainCall(NamedTuple):
+    call_id: str
+    answered: bool
+
+
+def last_main_call(calls: list[tuple[str, str | None, bool]]) -> MainCall:
+    """Of a session's calls, (call id, requested model, ok) in order: the main chain's last
+    answered call; with no answered call, its last call (its request still holds the
+    conversation so far)."""
     main = Counter(model for _, model, _ in calls).most_common(1)[0][0]   # the first on a tie
     chain = [(call_id, ok) for call_id, model, ok in calls if model == main]
     answered = [call_id for call_id, ok in chain if ok]
-    return (answered[-1], True) if answered else (chain[-1][0], False)
+    return MainCall(answered[-1], True) if answered else MainCall(chain[-1][0], False)
 
 
 def conversation(style: str, path: str, request_text: str | None, response: Any = None) -> list[dict]:
@@ -95,7 +101,7 @@ def conversation(style: str, path: str, request_text: str | None, response: Any 
         return []   # a failed call's bounded head: not JSON
     if response is not None:
         try:   # the answer read as the next request would carry it back
-            return _turns(adapter(style).to_chat(_with_answer(style, body, response), path)["messages"])
+            return _turns(adapter(style).to_chat(body_with_answer(style, body, response), path)["messages"])
         except (AdapterError, KeyError, IndexError, TypeError, AttributeError):
             pass
     try:
@@ -104,7 +110,7 @@ def conversation(style: str, path: str, request_text: str | None, response: Any 
         return []
 
 
-def _with_answer(style: str, body: Any, response: dict) -> Any:
+def body_with_answer(style: str, body: Any, response: dict) -> Any:
     """The request body with its answer appended as the assistant's turn, in the style's own
     shape: what the harness sends on its next turn."""
     body = copy.deepcopy(body)

@@ -38,9 +38,10 @@ from .db import (LOADER_FILE, READY_SUFFIX, StoreBusy, init_db, loader_running, 
                  readers_dir, writing)
 from .delta import DeltaCache
 from .lines import dumps, jsonable, loads, stored_row
-from .loader import (DB_ID_KEY, POSITION_KEY, ROW_GROUP_ROWS, TAIL, AckTimes, Loader,  # noqa: F401
-                     LoaderConfig, catch_up, claim_log, meta_value, owns_log, set_aside, stored_position,
-                     writer_lock)
+from .ack_times import AckTimes
+from .calllog_owner import adopt_log, hold_writer_lock
+from .load_batch import ROW_GROUP_ROWS, stored_position
+from .loader import Loader, LoaderConfig
 from .records import CallRecord, SessionInfo
 
 log = logging.getLogger("polar")
@@ -123,31 +124,16 @@ class CallWriter:
     def start(self) -> "CallWriter":
         directory = log_dir(self.db_path)
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        # One writer per database: a second one's loader would delete the first one's live
-        # log segments once it had loaded past them. Held until close, or the process dies.
-        # A reader catching up a killed proxy's log holds the lock for a while: wait for it;
-        # a live proxy (its loader marker names a live process) is refused at once.
-        deadline = time.monotonic() + max(self.lock_timeout, 30)
-        while self._lock_fd is None:
-            with writer_lock(directory) as fd:
-                if fd is not None:
-                    self._lock_fd = os.dup(fd)   # the dup shares the lock; it outlives the with
-                    break
-            if loader_running(self.db_path) or time.monotonic() >= deadline:
+        # One writer per database, held until close: a live proxy (its loader marker names
+        # a live process) is refused at once.
+        if self._lock_fd is None:
+            self._lock_fd = hold_writer_lock(directory, max(self.lock_timeout, 30),
+                                             live_writer=lambda: loader_running(self.db_path))
+            if self._lock_fd is None:
                 raise StoreBusy(f"another proxy is already writing to {self.db_path}")
-            time.sleep(0.05)
         self.salt = init_db(self.db_path, timeout=max(self.lock_timeout, 30))
         with writing(self.db_path, timeout=max(self.lock_timeout, 30)) as con:
-            db_id = meta_value(con, DB_ID_KEY)
-            had_id = db_id is not None
-            if db_id is None:   # a database older than log owners gets its id now
-                db_id = os.urandom(16).hex()
-                con.execute("INSERT INTO meta VALUES (?, ?)", [DB_ID_KEY, db_id])
-            # A log left by another database of this name (deleted, then made anew) is not
-            # this one's: it would add its calls here.
-            if not owns_log(directory, db_id, legacy_ok=not had_id):
-                set_aside(directory, "belongs to another database of this name")
-            claim_log(directory, db_id)
+            adopt_log(con, directory)
             position = stored_position(con)
             self._seq = dict(con.execute("SELECT session_id, max(seq) FROM call_records GROUP BY 1").fetchall())
         # Lines a previous run acknowledged but did not load yet count for the numbering.

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from support.adapter_fuzz import BOUNDED_INTS, FINITE_FLOATS, check_total, json_paths, json_values, parent_of
 from polar_mitm.adapters import AdapterError, UnsupportedContent, adapter as adapter_of, anthropic as adapter, detect
 from polar_mitm.adapters.chat import parts_text, suffix_of
-from support.provider_server import ProviderServer, make_result
+from support.provider_server import ProviderServer, make_result, tool_then_text
 
 BASH = {"name": "Bash", "description": "Run a shell command",
         "input_schema": {"type": "object", "properties": {"command": {"type": "string"}},
@@ -20,17 +20,9 @@ BASH = {"name": "Bash", "description": "Run a shell command",
 BILLING = "x-anthropic-billing-header: cc_version=2.1.197.a1b; cc_entrypoint=sdk-cli; cch={};"
 
 
-def tool_then_text(req):
-    """Call Bash until a tool result is in the history, then answer."""
-    if req["tools"] and not any(m["role"] == "tool" for m in req["messages"]):
-        return make_result(tool_calls=[{"name": "Bash", "arguments": '{"command": "echo hi"}'}],
-                           seed=len(req["messages"]))
-    return make_result("It printed hi.", seed=len(req["messages"]))
-
-
 @pytest.fixture
 def server():
-    with ProviderServer(tool_then_text) as s:
+    with ProviderServer(tool_then_text(lambda req: {"name": "Bash", "arguments": '{"command": "echo hi"}'})) as s:
         yield s
 
 

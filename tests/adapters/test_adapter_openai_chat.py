@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from support.adapter_fuzz import check_total, json_values as any_json
 from polar_mitm.adapters import AdapterError, detect, openai_chat
-from support.provider_server import ProviderServer, make_result
+from support.provider_server import ProviderServer, make_result, tool_then_text
 
 TOOLS = [{"type": "function", "function": {
     "name": "run_shell_command", "description": "Run a shell command",
@@ -16,17 +16,10 @@ TOOLS = [{"type": "function", "function": {
                    "required": ["command"]}}}]
 
 
-def tool_then_text(req):
-    """Call the shell tool until a tool result is in the history, then answer."""
-    if req["tools"] and not any(m["role"] == "tool" for m in req["messages"]):
-        return make_result(tool_calls=[{"name": "run_shell_command",
-                                        "arguments": '{"command": "echo hi"}'}], seed=len(req["messages"]))
-    return make_result("It printed hi.", seed=len(req["messages"]))
-
-
 @pytest.fixture
 def server():
-    with ProviderServer(tool_then_text) as s:
+    shell = {"name": "run_shell_command", "arguments": '{"command": "echo hi"}'}
+    with ProviderServer(tool_then_text(lambda req: shell)) as s:
         yield s
 
 

@@ -12,7 +12,7 @@ from pydantic import TypeAdapter
 from support.adapter_fuzz import check_total, json_values as any_json
 from polar_mitm.adapters import AdapterError, UnsupportedContent, detect, openai_responses as R
 from polar_mitm.adapters.chat import text_part
-from support.provider_server import ProviderServer, make_result
+from support.provider_server import ProviderServer, make_result, tool_then_text
 
 SHELL = {"type": "function", "name": "shell", "description": "Run a command", "strict": False,
          "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}}},
@@ -24,19 +24,16 @@ PATCH = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch"
 EVENTS = TypeAdapter(ResponseStreamEvent)
 
 
-def tool_then_text(req):
-    """Call the first offered tool until a tool result is in the history, then answer."""
-    if req["tools"] and not any(m["role"] == "tool" for m in req["messages"]):
-        tool = req["tools"][0]
-        args = PATCH if tool["kind"] == "custom" else '{"command": ["echo", "hi"]}'
-        return make_result(tool_calls=[{"name": tool["name"], "arguments": args, "kind": tool["kind"]}],
-                           reasoning="I should run it.", seed=len(req["messages"]))
-    return make_result("It printed hi.", reasoning="The tool said hi.", seed=len(req["messages"]))
+def first_tool(req):
+    """A call of the first offered tool (a patch for a custom one)."""
+    tool = req["tools"][0]
+    args = PATCH if tool["kind"] == "custom" else '{"command": ["echo", "hi"]}'
+    return {"name": tool["name"], "arguments": args, "kind": tool["kind"]}
 
 
 @pytest.fixture
 def server():
-    with ProviderServer(tool_then_text) as s:
+    with ProviderServer(tool_then_text(first_tool, reasoning=("I should run it.", "The tool said hi."))) as s:
         yield s
 
 

@@ -29,6 +29,7 @@ from polar_mitm.store import init_db, query
 from polar_mitm.store import rollout_journal as journal
 from polar_mitm.store.db import writing
 from support.fake_vllm import FakeVLLM
+from support.rollouts import Rollouts
 from support import SUPPORT
 
 HERE = SUPPORT   # the helper scripts the sessions run
@@ -44,12 +45,8 @@ def test_an_outage_releases_every_session_it_hit_and_every_sample_still_ends_wit
     than the node's 2 s probe), or for 6 s answering 503 (the probe pauses the node)."""
     with FakeVLLM(delay=0.25) as backend:
         proxy = start_proxy(backend.url)
-        server = RolloutServer(str(proxy.db)).start()
-        node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=proxy.port, ca_path=proxy.ca,
-                                      db=str(proxy.db), init_workers=2, run_workers=4, heartbeat_s=0.1,
-                                      backend_url=backend.url),
-                           runtime=LocalRuntime(tmp_path / "sessions")).start()
-        try:
+        with Rollouts(proxy, tmp_path / "sessions", run_workers=4, backend_url=backend.url) as rollouts:
+            server = rollouts.server
             server.submit({"task_id": "out", "instruction": "x", "harness": "command", "num_samples": 8,
                            "command": f"{FAKE} ok 4", "evaluator": "test -f result.txt"})
             # mid-run: calls answered already, harnesses making more
@@ -62,9 +59,6 @@ def test_an_outage_releases_every_session_it_hit_and_every_sample_still_ends_wit
             g = server.group("out")
             run = RunFigures(server, str(proxy.db), ["out"])
             reruns, released_line = run.rerun_reasons(), run.line()
-        finally:
-            node.stop()       # stores the settled rewards before it returns
-            server.stop()
     sessions = {s["session_id"]: s for s in g["sessions"] + g["attempts"]}
     _, hit = query(proxy.db, f"SELECT DISTINCT session_id FROM call_records WHERE error_kind IN ({KINDS})")
     hit_ids = {sid for (sid,) in hit}

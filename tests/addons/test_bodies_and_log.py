@@ -10,7 +10,8 @@ from polar_mitm.store import query
 from polar_mitm.store.calllog import LogAppender, Position, log_dir, read_lines
 from polar_mitm.store.db import init_db
 from polar_mitm.store.lines import dumps as _dumps
-from polar_mitm.store.loader import catch_up, claim_log
+from polar_mitm.store.calllog_owner import claim_log
+from polar_mitm.store.loader import catch_up
 
 
 def _walk_ok(value, limit):

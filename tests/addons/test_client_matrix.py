@@ -71,7 +71,7 @@ CLIENTS = {
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    from conftest import Proxy
+    from support.mitmdump_proxy import Proxy
     with FakeVLLM() as fake:
         proxy = Proxy(tmp_path_factory.mktemp("matrix"), fake.url,
                       [f"polar_control_token={TOKEN}", "polar_session_auth=on", "polar_version_check=0"])

@@ -119,7 +119,7 @@ class Soak:
 def unloaded_lines(db: Path) -> int:
     """Acknowledged lines of the (dead) proxy's call log that are not in DuckDB yet."""
     from polar_mitm.store.calllog import Position, log_dir, read_lines
-    from polar_mitm.store.writer import POSITION_KEY
+    from polar_mitm.store.load_batch import POSITION_KEY
 
     con = connect(db, read_only=True, timeout=10)
     try:

@@ -29,11 +29,6 @@ from polar_mitm.store import query
 MSG = [{"role": "user", "content": "hi"}]
 
 
-@pytest.fixture
-def start_proxy(start_inprocess_proxy):
-    return start_inprocess_proxy
-
-
 def clients(proxy):
     return (openai.OpenAI(base_url=proxy.base_url + "/v1", api_key="polar-fail~1", max_retries=0, timeout=30),
             anthropic.Anthropic(base_url=proxy.base_url, api_key="polar-fail~2", max_retries=0, timeout=30),
@@ -63,9 +58,9 @@ def failed_rows(proxy):
     return query(proxy.db, "SELECT style, status_code, error_kind, error FROM calls ORDER BY style")[1]
 
 
-def test_backend_down(start_proxy):
+def test_backend_down(start_inprocess_proxy):
     dead = f"http://127.0.0.1:{launch.free_port()}"   # nothing listens there
-    proxy = start_proxy(dead, ["polar_served_model=m"])
+    proxy = start_inprocess_proxy(dead, ["polar_served_model=m"])
     errors = call_all(proxy)
     assert errors["openai_chat"].status_code == 503 and errors["openai_chat"].body["type"] == "server_error"
     assert errors["openai_responses"].status_code == 503
@@ -77,9 +72,9 @@ def test_backend_down(start_proxy):
     assert all(r[2] == "overloaded" and "unavailable" in r[3] for r in rows)
 
 
-def test_backend_timeout(start_proxy):
+def test_backend_timeout(start_inprocess_proxy):
     with FakeVLLM(delay=3) as fake:
-        proxy = start_proxy(fake.url, ["polar_backend_timeout=1"])
+        proxy = start_inprocess_proxy(fake.url, ["polar_backend_timeout=1"])
         errors = call_all(proxy)
     assert errors["openai_chat"].status_code == 504
     assert errors["anthropic"].status_code == 504 and errors["anthropic"].body["error"]["type"] == "timeout_error"
@@ -91,9 +86,9 @@ def test_backend_timeout(start_proxy):
                                                ("badjson", 502, "backend_error"),
                                                ("odd", 502, "backend_error"),  # message: null
                                                ("context", 400, "context_too_long")])
-def test_backend_errors(start_proxy, mode, status, kind):
+def test_backend_errors(start_inprocess_proxy, mode, status, kind):
     with FakeVLLM(mode) as fake:
-        proxy = start_proxy(fake.url)
+        proxy = start_inprocess_proxy(fake.url)
         errors = call_all(proxy)
     assert errors["openai_chat"].status_code == status
     assert errors["anthropic"].status_code == status
@@ -108,9 +103,9 @@ def test_backend_errors(start_proxy, mode, status, kind):
     assert {r[2] for r in failed_rows(proxy)} == {kind}
 
 
-def test_malformed_request_is_provider_400_and_recorded(start_proxy):
+def test_malformed_request_is_provider_400_and_recorded(start_inprocess_proxy):
     with FakeVLLM() as fake:
-        proxy = start_proxy(fake.url)
+        proxy = start_inprocess_proxy(fake.url)
         r = httpx.post(proxy.base_url + "/v1/messages", content=b"{not json", trust_env=False,
                        headers={"x-api-key": "polar-bad~1", "content-type": "application/json"})
         assert r.status_code == 400 and r.json()["type"] == "error"
@@ -123,9 +118,9 @@ def test_malformed_request_is_provider_400_and_recorded(start_proxy):
     assert rows[0][3] == '{not json'  # the raw body is kept
 
 
-def test_non_model_traffic_answered_locally(start_proxy):
+def test_non_model_traffic_answered_locally(start_inprocess_proxy):
     with FakeVLLM() as fake:
-        proxy = start_proxy(fake.url)
+        proxy = start_inprocess_proxy(fake.url)
         h = dict(trust_env=False, timeout=10)
         assert httpx.post(proxy.base_url + "/api/event_logging/v2/batch", json={"e": 1}, **h).status_code == 204
         assert httpx.get(proxy.base_url + "/api/claude_code/policy_limits", **h).status_code == 404
@@ -138,13 +133,13 @@ def test_non_model_traffic_answered_locally(start_proxy):
     assert query(proxy.db, "SELECT count(*) FROM calls")[1] == [(0,)]
 
 
-def test_calls_run_concurrently(start_proxy):
+def test_calls_run_concurrently(start_inprocess_proxy):
     """Hooks await the backend and the writer: slow calls overlap instead of queueing."""
     import threading
     import time
 
     with FakeVLLM(delay=1.0) as fake:
-        proxy = start_proxy(fake.url)
+        proxy = start_inprocess_proxy(fake.url)
         oa = openai.OpenAI(base_url=proxy.base_url + "/v1", api_key="polar-par~1", max_retries=0)
         t0 = time.monotonic()
         threads = [threading.Thread(target=oa.chat.completions.create,
@@ -158,9 +153,9 @@ def test_calls_run_concurrently(start_proxy):
     assert query(proxy.db, "SELECT count(*), count(DISTINCT seq) FROM calls")[1] == [(4, 4)]
 
 
-def test_sampling_overrides_and_model_hosts(start_proxy):
+def test_sampling_overrides_and_model_hosts(start_inprocess_proxy):
     with FakeVLLM() as fake:
-        proxy = start_proxy(fake.url, ["polar_sampling=temperature=1.0,max_tokens=5,top_p=1"])
+        proxy = start_inprocess_proxy(fake.url, ["polar_sampling=temperature=1.0,max_tokens=5,top_p=1"])
         oa = openai.OpenAI(base_url=proxy.base_url + "/v1", api_key="polar-s~1", max_retries=0)
         oa.chat.completions.create(model="m", messages=MSG, max_tokens=100, temperature=0.2)
         oa.chat.completions.create(model="m", messages=MSG, max_tokens=3)
@@ -169,12 +164,12 @@ def test_sampling_overrides_and_model_hosts(start_proxy):
         assert second["max_tokens"] == 3  # a cap, never a raise
         assert first["return_token_ids"] is True and first["logprobs"] is True and first["stream"] is False
     with FakeVLLM() as fake:
-        other = start_proxy(fake.url, [r"polar_model_hosts=^api\.anthropic\.com$"], root=proxy.db.parent / "h")
+        other = start_inprocess_proxy(fake.url, [r"polar_model_hosts=^api\.anthropic\.com$"], root=proxy.db.parent / "h")
         r = httpx.post(other.base_url + "/v1/chat/completions", json={"model": "m", "messages": MSG},
                        trust_env=False)
         assert r.status_code == 204 and fake.bodies == []  # 127.0.0.1 is not a model host here
     with FakeVLLM() as fake:
-        only = start_proxy(fake.url, [r"polar_model_paths=^/v1/messages$"], root=proxy.db.parent / "p")
+        only = start_inprocess_proxy(fake.url, [r"polar_model_paths=^/v1/messages$"], root=proxy.db.parent / "p")
         r = httpx.post(only.base_url + "/v1/chat/completions", json={"model": "m", "messages": MSG},
                        trust_env=False)
         assert r.status_code == 204 and fake.bodies == []
@@ -192,11 +187,11 @@ def test_launcher_refuses_a_proxy_whose_addon_did_not_load(tmp_path):
         started.stop()  # not reached when the launcher refuses, as it must
 
 
-def test_max_tokens_capped_at_the_backend_context(start_proxy):
+def test_max_tokens_capped_at_the_backend_context(start_inprocess_proxy):
     """Claude Code asks for max_tokens=64000; vLLM refuses any max_tokens above its context
     length (it clamps smaller ones to what is left), so the proxy caps at the listed one."""
     with FakeVLLM() as fake:
-        proxy = start_proxy(fake.url)
+        proxy = start_inprocess_proxy(fake.url)
         an = anthropic.Anthropic(api_key="polar-cap~1", base_url=proxy.base_url, max_retries=0, timeout=30)
         an.messages.create(model="claude-opus-4-8", max_tokens=64000, messages=MSG)
         an.messages.create(model="claude-opus-4-8", max_tokens=100, messages=MSG)
@@ -204,12 +199,12 @@ def test_max_tokens_capped_at_the_backend_context(start_proxy):
         assert [b["max_tokens"] for b in fake.bodies] == [4096 - prompt, 100]
 
 
-def test_max_tokens_leaves_room_for_a_long_prompt(start_proxy):
+def test_max_tokens_leaves_room_for_a_long_prompt(start_inprocess_proxy):
     """Claude Code's 64000 on a prompt that fills most of the context: capped at what the
     context leaves after the prompt (vLLM refuses prompt + max_tokens above its length)."""
     long = [{"role": "user", "content": "fix the failing test " * 600}]   # ~3000 of 4096 tokens
     with FakeVLLM() as fake:
-        proxy = start_proxy(fake.url)
+        proxy = start_inprocess_proxy(fake.url)
         an = anthropic.Anthropic(api_key="polar-long~1", base_url=proxy.base_url, max_retries=0, timeout=30)
         r = an.messages.create(model="claude-opus-4-8", max_tokens=64000, messages=long)
         assert r.content[0].text == "ok"
@@ -219,18 +214,18 @@ def test_max_tokens_leaves_room_for_a_long_prompt(start_proxy):
     assert query(proxy.db, "SELECT status_code FROM calls")[1] == [(200,)]
 
 
-def test_max_tokens_needs_no_count_when_it_fits(start_proxy):
+def test_max_tokens_needs_no_count_when_it_fits(start_inprocess_proxy):
     """A request whose bytes and max_tokens fit the context costs no /tokenize round trip."""
     with FakeVLLM(max_model_len=32768) as fake:
-        proxy = start_proxy(fake.url)
+        proxy = start_inprocess_proxy(fake.url)
         oa = openai.OpenAI(base_url=proxy.base_url + "/v1", api_key="polar-fit~1", max_retries=0)
         oa.chat.completions.create(model="m", messages=MSG, max_tokens=1000)
         assert fake.bodies[0]["max_tokens"] == 1000 and fake.tokenized == []
 
 
-def test_stream_options_not_an_object_is_a_400(start_proxy):
+def test_stream_options_not_an_object_is_a_400(start_inprocess_proxy):
     with FakeVLLM() as fake:
-        proxy = start_proxy(fake.url)
+        proxy = start_inprocess_proxy(fake.url)
         r = httpx.post(proxy.base_url + "/v1/chat/completions", trust_env=False, timeout=30,
                        headers={"authorization": "Bearer polar-so~1"},
                        json={"model": "m", "messages": MSG, "stream": True, "stream_options": "yes"})
@@ -262,11 +257,11 @@ def reset_peak_rss(pid: int) -> None:
 
 
 @pytest.mark.parametrize("coding", ["gzip", "deflate", "zstd"])
-def test_compressed_bomb_is_a_413_in_bounded_memory(start_proxy, coding):
+def test_compressed_bomb_is_a_413_in_bounded_memory(start_inprocess_proxy, coding):
     """200 MB of zeros in a few hundred KB: decompressed a piece at a time, up to
     polar_max_body, never whole."""
     with FakeVLLM() as fake:
-        proxy = start_proxy(fake.url, ["polar_max_body=8m"])
+        proxy = start_inprocess_proxy(fake.url, ["polar_max_body=8m"])
         pid = proxy.pid
         bomb(coding)                 # made (and cached) before the peak is taken
         reset_peak_rss(pid)
@@ -286,10 +281,10 @@ def test_compressed_bomb_is_a_413_in_bounded_memory(start_proxy, coding):
     assert rows[0][3].startswith('<request body not kept')   # the bomb itself is not stored
 
 
-def test_compressed_request_within_the_limit_is_served(start_proxy):
+def test_compressed_request_within_the_limit_is_served(start_inprocess_proxy):
     body = orjson.dumps({"model": "m", "messages": MSG})
     with FakeVLLM() as fake:
-        proxy = start_proxy(fake.url, ["polar_max_body=8m"])
+        proxy = start_inprocess_proxy(fake.url, ["polar_max_body=8m"])
         for coding, data in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body)),
                              ("zstd", zstandard.ZstdCompressor().compress(body))):
             r = httpx.post(proxy.base_url + "/v1/chat/completions", content=data, trust_env=False,
@@ -299,11 +294,11 @@ def test_compressed_request_within_the_limit_is_served(start_proxy):
         assert len(fake.bodies) == 3 and fake.bodies[0]["messages"] == MSG
 
 
-def test_body_over_the_limit_is_not_read_and_is_recorded(start_proxy):
+def test_body_over_the_limit_is_not_read_and_is_recorded(start_inprocess_proxy):
     """A raw body over polar_max_body: mitmproxy's body_size_limit stops reading it (its own
     413); the call is still recorded as failed."""
     with FakeVLLM() as fake:
-        proxy = start_proxy(fake.url, ["polar_max_body=1m"])
+        proxy = start_inprocess_proxy(fake.url, ["polar_max_body=1m"])
         s = socket.create_connection(("127.0.0.1", proxy.reverse_port), timeout=10)
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer polar-big~1\r\n"
                   b"Content-Type: application/json\r\nContent-Length: 209715200\r\n\r\n" + b"[" * 65536)
@@ -330,14 +325,14 @@ def test_max_body_is_validated():
             tctx.configure(gw, polar_max_body="lots")
 
 
-def test_a_deep_body_is_a_400_and_fails_no_other_call(start_proxy):
+def test_a_deep_body_is_a_400_and_fails_no_other_call(start_inprocess_proxy):
     """A body nested 300 levels deep (orjson writes 254) used to kill the writer thread,
     fail the other sessions' calls of its batch with 503, and get a retryable 503 itself."""
     import concurrent.futures
 
     deep = b'{"model": "m", "messages": [{"role": "user", "content": ' + b"[" * 300 + b"]" * 300 + b"}]}"
     with FakeVLLM() as fake:
-        proxy = start_proxy(fake.url)
+        proxy = start_inprocess_proxy(fake.url)
 
         def send(i):
             body = orjson.dumps({"model": "m", "messages": MSG}) if i != 3 else deep
@@ -356,10 +351,10 @@ def test_a_deep_body_is_a_400_and_fails_no_other_call(start_proxy):
     assert [r[2] for r in rows if r[0] == "deep~3"][0] > 300   # its body is kept as sent
 
 
-def test_a_query_key_never_reaches_the_log(start_proxy):
+def test_a_query_key_never_reaches_the_log(start_inprocess_proxy):
     """mitmdump prints every flow's URL: Google's ?key= used to show there."""
     with FakeVLLM() as fake:
-        proxy = start_proxy(fake.url)
+        proxy = start_inprocess_proxy(fake.url)
         r = httpx.post(proxy.base_url + "/v1beta/models/gemini-2.5-flash:generateContent?key=polar-logkey~1&alt=json",
                        json={"contents": [{"role": "user", "parts": [{"text": "hi"}]}]},
                        trust_env=False, timeout=30)
@@ -373,10 +368,10 @@ def test_a_query_key_never_reaches_the_log(start_proxy):
         ("logkey~1", "/v1beta/models/gemini-2.5-flash:generateContent?alt=json")]
 
 
-def test_a_rejected_huge_body_barely_grows_the_database(start_proxy):
+def test_a_rejected_huge_body_barely_grows_the_database(start_inprocess_proxy):
     """A rejected 20 MB request used to add 46 MB to the file."""
     with FakeVLLM() as fake:
-        proxy = start_proxy(fake.url)
+        proxy = start_inprocess_proxy(fake.url)
         h = {"authorization": "Bearer polar-huge~1", "content-type": "application/json"}
         url = proxy.base_url + "/v1/chat/completions"
         assert httpx.post(url, json={"model": "m", "messages": MSG}, headers=h, trust_env=False).status_code == 200

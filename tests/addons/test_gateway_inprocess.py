@@ -74,6 +74,25 @@ def test_server_connections_are_never_opened():
     run(main())
 
 
+def test_a_bug_gets_a_500_that_names_no_detail(monkeypatch):
+    """Raised in a model call, or a request no addon answered (the backstop's Unanswered)."""
+    async def bug(flow):
+        raise RuntimeError("a detail for the log only")
+
+    async def main():
+        gw = PolarGateway()
+        with taddons.context(gw):
+            monkeypatch.setattr(gw.model_calls, "_route", bug)
+            raised, unanswered = tflow.tflow(), tflow.tflow()
+            await gw.model_calls.request(raised)
+            gw.addons[-1].request(unanswered)   # Unanswered: the last addon, after every one that answers
+            for f in (raised, unanswered):
+                assert f.response.status_code == 500
+                assert f.response.headers["content-type"] == "application/json"
+                assert f.response.json() == {"error": {"message": "polar-mitm internal error", "type": "api_error"}}
+    run(main())
+
+
 def test_local_answers_and_health(tmp_path):
     async def main():
         gw = PolarGateway()

@@ -31,25 +31,21 @@ import pytest
 from fastapi.testclient import TestClient
 
 from support.fake_vllm import COMMAND, FakeVLLM
-from support.inprocess_proxy import ProxyLayout
+from support.agent_rollout import AgentRollout
 from polar_mitm.stack import launch
 from polar_mitm.dashboard import make_app
 from polar_mitm.dashboard.live import Live
-from polar_mitm.rollout import GatewayNode, NodeConfig, RolloutServer
 from polar_mitm.rollout.http_api import ThreadedUvicorn
-from polar_mitm.rollout.runtime import LocalRuntime
 from polar_mitm.store import init_db, query
 from polar_mitm.store.calllog import LogAppender, log_dir
 from polar_mitm.store.journal_log import JournalLog
 from polar_mitm.store.loop import record_iteration
-from support import SUPPORT
 
 POLAR = str(Path(sys.executable).parent / "polar-mitm")
 TASK = "fix@r1.0"      # a loop's task id: TASK@RUN.I (the routes take "@", "~" and ".")
 SAMPLES = 3
 REWARDS = {0: 1.0, 1: 0.5, 2: 0.25}
 
-AGENT = (SUPPORT / "bash_agent.py").read_text()
 EVALUATOR = ('test -f polar_proof.txt || { echo 0; exit 0; }; '
              'case "$POLAR_SAMPLE" in 0) echo 1.0;; 1) echo 0.5;; *) echo 0.25;; esac')
 
@@ -74,47 +70,11 @@ class Drifting(FakeVLLM):
         return out
 
 
-def _task(ws: Path, task_id: str, samples: int) -> dict:
-    return {"task_id": task_id, "instruction": f"Prove the shell works ({task_id}).", "harness": "command",
-            "workspace": str(ws), "num_samples": samples, "timeout": 120,
-            "command": f"{sys.executable} agent.py", "evaluator": EVALUATOR}
-
-
-class Stack:
-    def __init__(self, root: Path):
-        self.ws = root / "repo"
-        self.ws.mkdir()
-        (self.ws / "agent.py").write_text(AGENT)
-        self.backend = Drifting(mode="scripted").__enter__()
-        self.layout = ProxyLayout(root, self.backend.url, "rollouts.duckdb")
-        self.proxy = launch.start_proxy(db=self.layout.db, backend=self.backend.url, port=self.layout.port,
-                                        confdir=self.layout.confdir, log_path=self.layout.log,
-                                        reverse_port=self.layout.reverse_port)
-        self.db = str(self.layout.db)
-        self.server = RolloutServer(self.db).start()
-        self.node = GatewayNode(NodeConfig(server_url=self.server.url, proxy_port=self.layout.port,
-                                           ca_path=self.layout.ca, db=self.db, init_workers=2, run_workers=2,
-                                           heartbeat_s=0.1, backend_url=self.backend.url),
-                                runtime=LocalRuntime(root / "sessions")).start()
-
-    def run(self, task_id: str, samples: int) -> None:
-        self.server.submit(_task(self.ws, task_id, samples))
-        assert self.server.wait([task_id], timeout=90), self.server.group(task_id)
-
-    def stop(self) -> None:
-        for stop in (self.node.stop, self.server.stop, self.proxy.stop,
-                     lambda: self.backend.__exit__(None, None, None)):
-            try:
-                stop()
-            except Exception as e:     # the others still stop
-                print(f"stopping: {e!r}", file=sys.stderr)
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp("dashboard-api"))
+    s = AgentRollout(tmp_path_factory.mktemp("dashboard-api"), Drifting(mode="scripted").up(), EVALUATOR)
     try:
-        s.run(TASK, SAMPLES)
+        s.run({TASK: SAMPLES})
         for it, (mean, std, n) in enumerate([(0.5, 0.3, 9), (0.75, 0.2, 9)]):
             record_iteration(s.db, {"run_id": "r1", "iteration": it, "policy_version": it, "reward_mean": mean,
                                     "reward_std": std, "reward_n": n, "eval_reward_mean": mean - 0.1,
@@ -326,7 +286,7 @@ def test_the_event_stream_announces_changes_while_a_rollout_runs(stack):
             time.sleep(0.05)
         assert events and events[0][0] == "hello"
         start = events[0][1]
-        stack.run("more@r1.1", 1)             # the journal and the call log change
+        stack.run({"more@r1.1": 1})             # the journal and the call log change
         deadline = time.monotonic() + 10
         while not [e for e in events if e[0] == "change"] and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -26,20 +26,15 @@ from urllib.parse import quote, urlparse
 import pytest
 
 from support.fake_vllm import COMMAND, FakeVLLM
-from support.inprocess_proxy import ProxyLayout
+from support.agent_rollout import AgentRollout
 from polar_mitm.stack import launch
-from polar_mitm.rollout import GatewayNode, NodeConfig, RolloutServer
-from polar_mitm.rollout.runtime import LocalRuntime
 from polar_mitm.store import query
-from support import SUPPORT
 
 POLAR = str(Path(sys.executable).parent / "polar-mitm")
 WAIT_MS = 20_000      # the longest any page may take to show what it must
 
-# The harness: an agent loop over the OpenAI chat API through the proxy (HTTPS_PROXY and
-# the proxy's CA, as the node gives every harness), with one tool, `bash`.
-AGENT = (SUPPORT / "bash_agent.py").read_text()   # with a system prompt and a bash tool
-# Rewards by sample, read by the evaluator (it runs in the finished workspace): they differ
+# The harness: support/agent_rollout.py's agent loop (one tool, `bash`) over the OpenAI chat
+# API through the proxy. Rewards by sample, read by the evaluator (it runs in the finished workspace): they differ
 # within a group; no proof file (the tool never ran) scores 0.
 EVALUATOR = ('test -f polar_proof.txt || { echo "no proof"; echo 0; exit 0; }; '
              'case "$POLAR_SAMPLE" in 0) echo 1.0;; 1) echo 0.5;; 2) echo 0.25;; *) echo 0;; esac')
@@ -61,38 +56,14 @@ class GatedVLLM(FakeVLLM):
         return super().answer(body)
 
 
-def _task(ws: Path, task_id: str, samples: int) -> dict:
-    return {"task_id": task_id, "instruction": f"Prove the shell works ({task_id}).", "harness": "command",
-            "workspace": str(ws), "num_samples": samples, "timeout": 120,
-            "command": f"{sys.executable} agent.py", "evaluator": EVALUATOR}
-
-
-class Stack:
-    """The rollout: backend, proxy, rollout server, gateway node; the dashboard on its database."""
+class Stack(AgentRollout):
+    """The rollout, and the dashboard on its database."""
 
     def __init__(self, root: Path):
-        self.root = root
-        self.ws = root / "repo"
-        self.ws.mkdir()
-        (self.ws / "agent.py").write_text(AGENT)
+        super().__init__(root, GatedVLLM().up(), EVALUATOR)
         (self.ws / "README.md").write_text("a workspace\n")
-        self.backend = GatedVLLM().__enter__()
-        self.proxy = ProxyLayout(root, self.backend.url, "rollouts.duckdb")
-        self.mitm = launch.start_proxy(db=self.proxy.db, backend=self.backend.url, port=self.proxy.port,
-                                       confdir=self.proxy.confdir, log_path=self.proxy.log,
-                                       reverse_port=self.proxy.reverse_port)
-        self.db = str(self.proxy.db)
-        self.server = RolloutServer(self.db).start()
-        self.node = GatewayNode(NodeConfig(server_url=self.server.url, proxy_port=self.proxy.port,
-                                           ca_path=self.proxy.ca, db=self.db, init_workers=2, run_workers=2,
-                                           heartbeat_s=0.1, backend_url=self.backend.url),
-                                runtime=LocalRuntime(root / "sessions")).start()
         self.dashboard: launch.Service | None = None
         self.url = ""
-
-    def run(self, task_id: str, samples: int, timeout: float = 90) -> None:
-        self.server.submit(_task(self.ws, task_id, samples))
-        assert self.server.wait([task_id], timeout=timeout), f"{task_id} did not finish: {self.server.group(task_id)}"
 
     def start_dashboard(self) -> None:
         port = launch.free_port()
@@ -103,13 +74,7 @@ class Stack:
 
     def stop(self) -> None:
         self.backend.gate.set()
-        for stop in (self.dashboard.stop if self.dashboard else None, self.node.stop, self.server.stop,
-                     self.mitm.stop, lambda: self.backend.__exit__(None, None, None)):
-            if stop is not None:
-                try:
-                    stop()
-                except Exception as e:     # the others still stop
-                    print(f"stopping: {e!r}", file=sys.stderr)
+        super().stop(*([self.dashboard.stop] if self.dashboard else []))
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +83,7 @@ def stack(tmp_path_factory, browser):
     before the rollout)."""
     s = Stack(tmp_path_factory.mktemp("dashboard"))
     try:
-        for task_id, samples in TASKS.items():
-            s.server.submit(_task(s.ws, task_id, samples))
-        assert s.server.wait(list(TASKS), timeout=90), {t: s.server.group(t) for t in TASKS}
+        s.run(TASKS)
         s.start_dashboard()
         yield s
     finally:
@@ -329,8 +292,8 @@ def test_live_pages_show_a_new_task_running_then_done_without_a_reload(stack, wa
     done_before = int(runs.page.get_attribute('#live [data-state="done"]', "data-count"))
     assert done_before == sum(TASKS.values())
 
-    assert HELD in _task(stack.ws, "live", 2)["instruction"]
-    stack.server.submit(_task(stack.ws, "live", 2))
+    assert HELD in stack.task("live", 2)["instruction"]
+    stack.server.submit(stack.task("live", 2))
     # running: both samples in the harness, their model calls held by the backend
     groups.page.wait_for_selector('table#groups tr[data-task="live"] [data-state="run"][data-count="2"]',
                                   timeout=60_000)

@@ -2,65 +2,17 @@
 optimize one objective, row splitting with reused keys/values changes nothing, and the
 loss terms do what they say."""
 
-import copy
 import math
 import random
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from polar_mitm.grpo.attention import register
 from polar_mitm.grpo.advantages import AdvantageConfig, group_advantages, token_weights
 from polar_mitm.grpo.loss import LossConfig, LossInputs, grpo_loss
 from polar_mitm.grpo.packing import merge
-from polar_mitm.grpo.policy import ForestRunner, TokenLogprobs
-from polar_mitm.grpo.synthetic import Shape, group
-from polar_mitm.grpo.train import TrainConfig, prepare_step, run_step
-
-VOCAB = 64
-
-
-def tiny_lm(attn="polar_sdpa", seed=0):
-    register()   # the trainer's CPU attention (chain rows); "sdpa" and "eager" are transformers' own
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      attn_implementation=attn)
-    return LlamaForCausalLM(cfg).double()
-
-
-def make_calls(drifts: int, seed: int = 0, **kw):
-    rng = random.Random(seed)
-    shape = Shape(sessions=3, turns=4, shared=30, tool=(2, 6), response=(2, 6), drifts=drifts,
-                  side_calls=kw.get("side_calls", 1), retries=kw.get("retries", 0),
-                  subagents=kw.get("subagents", 0), compactions=kw.get("compactions", 0), vocab=VOCAB)
-    rewards = [1.0, 0.0, 0.5]
-    return [c for t in range(2) for c in group(f"t{t}", shape, rng, reward=lambda s: rewards[s])]
-
-
-def step_loss_and_grads(lm, calls, builder, budget=4096, checkpoint=False):
-    """One step's loss and flattened gradients, through the trainer's own step code."""
-    cfg = TrainConfig(builder=builder, token_budget=budget)
-    lm = copy.deepcopy(lm)
-    policy = TokenLogprobs(lm, checkpoint_rows=checkpoint)
-    rewards = {c.session_id: c.reward for c in calls}
-    adv_s = group_advantages(rewards, {c.session_id: c.group for c in calls})
-    adv = torch.tensor([adv_s[c.session_id] for c in calls], dtype=torch.float64)
-    offsets = [0]
-    for c in calls:
-        offsets.append(offsets[-1] + len(c.tokens))
-    weights = torch.tensor([w for ws in token_weights(calls) for w in ws], dtype=torch.float64)
-    step = prepare_step(calls, list(range(len(calls))), sorted({c.group for c in calls}), offsets, cfg,
-                        torch.device("cpu"), 0, 1, lm.config._attn_implementation, lm.dtype)
-    proximal = torch.full((offsets[-1],), float("nan"), dtype=torch.float64)
-    sums = run_step(policy, step, adv, weights, proximal, cfg, None, lambda: torch.autocast("cpu", enabled=False))
-    grads = torch.cat([p.grad.flatten() for p in lm.parameters()])
-    return sums["loss"], grads, step
-
-
-def rel(a, b):
-    return float((a - b).norm() / max(b.norm(), 1e-30))
+from polar_mitm.grpo.policy import ForestRunner
+from support.grpo_step import make_calls, rel, step_loss_and_grads, tiny_lm
 
 
 @pytest.mark.parametrize("extra", [{}, {"retries": 1, "subagents": 1, "compactions": 1}])
@@ -69,7 +21,7 @@ def test_trie_and_per_request_give_the_same_loss_and_gradients(extra):
     calls = make_calls(drifts=1, **extra)
     loss_r, g_r, _ = step_loss_and_grads(lm, calls, "per_request")
     loss_t, g_t, step = step_loss_and_grads(lm, calls, "trie")
-    assert step.stats["forward_tokens"] < sum(len(c.prompt) + len(c.tokens) for c in calls)
+    assert step.stats.forward_tokens < sum(len(c.prompt) + len(c.tokens) for c in calls)
     assert loss_r != 0 and abs(loss_t - loss_r) <= 1e-6 * abs(loss_r)
     assert rel(g_t, g_r) <= 1e-6
 
@@ -126,16 +78,16 @@ def test_prefix_merging_matches_without_drift_and_the_difference_with_drift_is_m
     clean = make_calls(drifts=0, side_calls=1)
     loss_r, g_r, _ = step_loss_and_grads(lm, clean, "per_request")
     loss_m, g_m, step = step_loss_and_grads(lm, clean, "prefix_merging")
-    assert step.stats["dropped_calls"] == 0 and step.stats["drift_events"] == 0
+    assert step.stats.dropped_calls == 0 and step.stats.drift_events == 0
     assert abs(loss_m - loss_r) <= 1e-6 * abs(loss_r) and rel(g_m, g_r) <= 1e-6
 
     drifted = make_calls(drifts=2)
     loss_r, g_r, _ = step_loss_and_grads(lm, drifted, "per_request")
     loss_m, g_m, step = step_loss_and_grads(lm, drifted, "prefix_merging")
-    assert step.stats["drift_events"] > 0
+    assert step.stats.drift_events > 0
     diff_loss, diff_grad = abs(loss_m - loss_r) / abs(loss_r), rel(g_m, g_r)
     with capsys.disabled():
-        print(f"\nprefix_merging vs exact contexts with {step.stats['drift_events']} drift events: "
+        print(f"\nprefix_merging vs exact contexts with {step.stats.drift_events} drift events: "
               f"loss differs by {diff_loss:.2e} relative, gradients by {diff_grad:.2e}")
     assert diff_grad > 1e-6   # training on contexts vLLM never saw is measurably different
 

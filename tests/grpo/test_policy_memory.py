@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from polar_mitm.grpo.policy import ForestRunner
-from polar_mitm.grpo.train import TrainConfig, prepare_step
+from polar_mitm.grpo.config import TrainConfig
+from polar_mitm.grpo.step import prepare_step
 from polar_mitm.trainer_input import Call
-from test_grpo import make_calls, rel, step_loss_and_grads, tiny_lm
+from support.grpo_step import make_calls, rel, step_loss_and_grads, tiny_lm
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,8 +71,8 @@ def test_peak_memory_does_not_grow_as_the_budget_shrinks():
 
 
 def test_steps_are_planned_when_they_run():
-    """prepare_step builds nothing; each read of `runner` plans the step afresh (the same
-    plan), and the per-target tensors follow the forest's target order."""
+    """prepare_step builds nothing; each layout() plans the step afresh (the same plan),
+    and the per-target tensors follow the forest's target order."""
     calls = make_calls(drifts=1, retries=1)
     offsets = [0]
     for c in calls:
@@ -79,9 +80,10 @@ def test_steps_are_planned_when_they_run():
     step = prepare_step(calls, list(range(len(calls))), ["t0", "t1"], offsets, TrainConfig(token_budget=23),
                         torch.device("cpu"), 0, 1, "polar_sdpa")
     assert not any(isinstance(v, ForestRunner) for v in vars(step).values())
-    a, b = step.runner, step.runner
+    layout = step.layout()
+    a, b = layout.runner, step.layout().runner
     assert a is not b and [r.nodes for r in a.rows] == [r.nodes for r in b.rows]
-    f = a.f
-    assert step.flat.tolist() == [offsets[c] + j for c, j in zip(f.target_call, f.target_index)]
-    assert step.call_ids.tolist() == f.target_call and torch.equal(step.rollout, torch.tensor(f.target_logprob))
-    assert step.stats["forward_tokens"] == len(f.tokens)
+    f, targets = a.f, layout.targets
+    assert targets.flat.tolist() == [offsets[c] + j for c, j in zip(f.target_call, f.target_index)]
+    assert targets.call_ids.tolist() == f.target_call and torch.equal(targets.rollout, torch.tensor(f.target_logprob))
+    assert layout.stats.forward_tokens == len(f.tokens)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import Proxy
+from support.mitmdump_proxy import Proxy
 from polar_mitm.grpo.packing import merge
 from polar_mitm.grpo.policy import ForestRunner, TokenLogprobs
 from polar_mitm.grpo.calls import drift_events

@@ -21,7 +21,7 @@ def test_the_schedule_and_the_optimizer_run_over_the_whole_loop(tmp_path):
     lrs = []
     for it in range(3):   # three iterations, one step each (all groups in one step)
         s = t.train_on(synthetic_calls(tasks=2, seed=it), tmp_path / f"it{it}")
-        lrs += [m["lr"] for m in s["history"]]
+        lrs += [m.lr for m in s.history]
     assert lrs == [1e-3 * 1 / 4, 1e-3 * 2 / 4, 1e-3 * 3 / 4]   # warmup continues, not restarted
     assert t.step == 3 and t.opt.state   # AdamW's moments are kept
 
@@ -30,10 +30,10 @@ def test_the_kl_reference_is_the_initial_policy_not_each_iterations_start(tmp_pa
     model = tiny_model_dir(tmp_path / "m")
     cfg = TrainConfig(lr=1e-2, token_budget=64, loss=LossConfig(kl_coef=0.1))
     t = Trainer(model, cfg)
-    first = t.train_on(synthetic_calls(tasks=2, seed=0), tmp_path / "a")["history"][0]
-    assert abs(first["kl"]) < 1e-6           # the policy is still the reference
-    second = t.train_on(synthetic_calls(tasks=2, seed=0), tmp_path / "b")["history"][0]
-    assert second["kl"] > 1e-6               # it moved away from the initial policy
+    first = t.train_on(synthetic_calls(tasks=2, seed=0), tmp_path / "a").history[0]
+    assert abs(first.kl) < 1e-6              # the policy is still the reference
+    second = t.train_on(synthetic_calls(tasks=2, seed=0), tmp_path / "b").history[0]
+    assert second.kl > 1e-6                  # it moved away from the initial policy
 
 
 def test_a_saved_trainer_resumes_where_it_stopped(tmp_path):

@@ -12,17 +12,14 @@ from pathlib import Path
 import pytest
 
 from polar_mitm.models import ensure_default_model
-from polar_mitm.rollout import harnesses
 from polar_mitm.store import query
+from support.rollouts import installed
 from support.vllm_parity import hf_logprobs, mean_abs, reload, vllm_logprobs
 
 TRAIN = str(Path(sys.executable).parent / "polar-train")
 @pytest.mark.vllm
 def test_two_iterations_of_the_loop_on_real_vllm_and_pi(vllm_backend, tmp_path):
-    try:
-        harnesses.install("pi")
-    except harnesses.HarnessMissing as e:
-        pytest.skip(f"pi could not be installed from npm: {e}")
+    installed("pi")
     base = str(ensure_default_model())
     tasks = tmp_path / "tasks.jsonl"
     # the sample index as reward: every group has variance, so each step moves the weights

@@ -124,30 +124,22 @@ def test_the_loop_syncs_every_node_of_a_remote_rollout_server_through_heartbeats
     its heartbeat, syncs its own gateway and vLLM, and reports back. Every call on either
     node carries the version of its iteration, and both vLLMs end on the last checkpoint."""
     from polar_mitm.stack import launch
-    from polar_mitm.rollout import RolloutServer
-    from polar_mitm.stack.local import start_node_stack, stop_stack
+    from polar_mitm.stack.local import Stack
 
     model = str(tiny_model_dir(tmp_path / "model"))
     tasks = fake_tasks(tmp_path, "ok 2")
     out = tmp_path / "run"
-    server = RolloutServer(str(tmp_path / "server.duckdb")).start()
-    nodes, services = [], []
     with FakeVLLM(delay=0.2) as fake_a, FakeVLLM(delay=0.2) as fake_b:
-        try:
+        with Stack() as stack:    # stopped in reverse: the nodes, the server, the proxies
+            server = stack.start_server(str(tmp_path / "server.duckdb"))
             for name, fake in (("a", fake_a), ("b", fake_b)):
-                proxy, node = start_node_stack(db=str(tmp_path / f"node-{name}.duckdb"), backend=fake.url,
-                                               work=tmp_path / f"node-{name}", proxy_port=launch.free_port(),
-                                               workers=1, max_tokens=8, server_url=server.url, node_id=name)
-                nodes.append(node)
-                services.append(proxy)
+                stack.start_node(db=str(tmp_path / f"node-{name}.duckdb"), backend=fake.url,
+                                 work=tmp_path / f"node-{name}", proxy_port=launch.free_port(),
+                                 workers=1, max_tokens=8, server_url=server.url, node_id=name)
             run = LoopRun([TRAIN, "loop", "--tasks", str(tasks), "--iterations", "2", "--out", str(out),
                            "--harness", "command", "--samples", "2", "--server", server.url, "--model", model,
                            "--lr", "1e-3", "--token-budget", "256"])
             assert run.wait(600) == 0, run.output[-3000:]
-        finally:
-            for node in nodes:
-                node.stop()
-            stop_stack(None, server, services)
         state = json.loads((out / "loop.json").read_text())
         assert state["version"] == 2
         for fake in (fake_a, fake_b):    # v0 (the base) at start, then v1 and v2

@@ -19,7 +19,9 @@ from click.testing import CliRunner
 
 from support.fake_vllm import FakeVLLM
 from polar_mitm.cli.main import main as polar_mitm
-from polar_mitm.loop.run import LoopState, _disk_full, _no_calls_error, _no_signal_reason, _prune
+from polar_mitm.loop.run import disk_full
+from polar_mitm.loop.state import LoopState, prune
+from polar_mitm.loop.steps import no_calls_error, no_signal_reason
 from polar_mitm.rollout import RolloutServer, TaskError, parse_task
 from polar_mitm.rollout.spec import task_from_json
 from polar_mitm.cli.rollout import callback_line
@@ -263,10 +265,10 @@ def test_a_full_disk_is_one_line(tmp_path, monkeypatch):
     assert "free some space and rerun the same command to resume" in r.output
     assert len(r.output.strip().splitlines()) == 1
     # what the libraries raise on a full disk: DuckDB's and safetensors' messages, torch's failed write
-    assert _disk_full(RuntimeError('IO Error: Could not write file "x.wal": No space left on device'), tmp_path)
-    assert _disk_full(OSError(errno.EDQUOT, "Disk quota exceeded"), tmp_path)
-    assert not _disk_full(RuntimeError("file write failed"), tmp_path)   # with space left: not the disk
-    assert not _disk_full(ValueError("bad"), tmp_path)
+    assert disk_full(RuntimeError('IO Error: Could not write file "x.wal": No space left on device'), tmp_path)
+    assert disk_full(OSError(errno.EDQUOT, "Disk quota exceeded"), tmp_path)
+    assert not disk_full(RuntimeError("file write failed"), tmp_path)   # with space left: not the disk
+    assert not disk_full(ValueError("bad"), tmp_path)
 
 
 # -- checkpoints on disk --------------------------------------------------------------------------
@@ -280,7 +282,7 @@ def test_loop_json_lists_the_checkpoints_on_disk_after_pruning(tmp_path):
     ckpts = [str(out / "checkpoints" / f"v{v}") for v in (2, 3, 4)]   # v1: a kill -9 after its state save
     state = LoopState(run_id="r", completed=4, version=4, checkpoint=ckpts[-1], checkpoints=list(ckpts),
                       trainer_state=str(out / "trainer" / "v4.pt"))
-    _prune(state, 2, out)
+    prune(state, 2, out)
     on_disk = sorted(str(p) for p in (out / "checkpoints").iterdir())
     assert state.checkpoints == on_disk == ckpts[1:]
     assert LoopState.load(out).checkpoints == on_disk      # saved: loop.json says what is there
@@ -301,7 +303,7 @@ def test_an_iteration_without_calls_names_the_cause_and_shows_an_output():
     sessions = [_s("a~0", reward=0.0, calls=0, eval_output="0\n"),
                 _s("a~1", "failed", 0.0, "harness exited with code 5", calls=0,
                    harness_output="curl: (5) Could not resolve proxy: x\n", eval_output="")]
-    msg = _no_calls_error(1, sessions, {"command"})
+    msg = no_calls_error(1, sessions, {"command"})
     first, *rest = msg.splitlines()
     assert first == ("iteration 2: no session made a model call (2 sessions, 0 calls), so the loop cannot learn: "
                      "the harness could not reach the gateway's proxy (or the model), or it failed before its first "
@@ -310,23 +312,23 @@ def test_an_iteration_without_calls_names_the_cause_and_shows_an_output():
     assert rest == ["a~1 failed (harness exited with code 5); its harness's output, last lines:",
                     "  | curl: (5) Could not resolve proxy: x"]
     # without the harness's output: the evaluator's, else the session's reason
-    msg = _no_calls_error(0, [_s("a~0", reward=0.0, eval_output="no file\n")], {"pi"})
+    msg = no_calls_error(0, [_s("a~0", reward=0.0, eval_output="no file\n")], {"pi"})
     assert "HTTPS_PROXY" not in msg and msg.endswith("a~0 done; its evaluator's output, last lines:\n  | no file")
-    msg = _no_calls_error(0, [_s("a~0", "failed", 0.0, "harness exited with code 2: boom")], {"pi"})
+    msg = no_calls_error(0, [_s("a~0", "failed", 0.0, "harness exited with code 2: boom")], {"pi"})
     assert msg.endswith("a~0 failed; its reason, last lines:\n  | harness exited with code 2: boom")
 
 
 def test_an_iteration_without_learning_signal_says_which_case():
-    assert _no_signal_reason({"a": _g("a", _s("a~0", "failed", 0.0, "harness exited with code 3: crash"),
+    assert no_signal_reason({"a": _g("a", _s("a~0", "failed", 0.0, "harness exited with code 3: crash"),
                                       _s("a~1", "timed_out", 0.0, "harness timed out after 5s"))}) == (
         "every session failed (1 failed, 1 timed_out); a~0: harness exited with code 3: crash")
-    assert _no_signal_reason({"a": _g("a", _s("a~0", reward=1.0), _s("a~1", reward=1.0)),
+    assert no_signal_reason({"a": _g("a", _s("a~0", reward=1.0), _s("a~1", reward=1.0)),
                               "b": _g("b", _s("b~0", reward=0.0), _s("b~1", reward=0.0))}) == (
         "every group's rewards are equal (rewards 0, 1 in 2 groups): GRPO's advantage is zero; tasks that the "
         "policy sometimes solves (or more samples) give it a signal")
-    assert "no session has a reward" in _no_signal_reason({"a": _g("a", _s("a~0"), _s("a~1"))})
-    assert "no group has two rewarded sessions" in _no_signal_reason({"a": _g("a", _s("a~0", reward=1.0))})
-    assert _no_signal_reason({"a": _g("a", _s("a~0", reward=1.0), _s("a~1", reward=1.0)),
+    assert "no session has a reward" in no_signal_reason({"a": _g("a", _s("a~0"), _s("a~1"))})
+    assert "no group has two rewarded sessions" in no_signal_reason({"a": _g("a", _s("a~0", reward=1.0))})
+    assert no_signal_reason({"a": _g("a", _s("a~0", reward=1.0), _s("a~1", reward=1.0)),
                               "b": _g("b", _s("b~0", reward=0.0), _s("b~1", reward=1.0))}) is None
 
 

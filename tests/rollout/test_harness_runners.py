@@ -8,12 +8,12 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from polar_mitm.rollout import GatewayNode, NodeConfig, RolloutServer
 from polar_mitm.rollout import harnesses
 from polar_mitm.rollout.runtime import LocalRuntime, unshare_argv
 from polar_mitm.store import query
 from support.procs import until
 from support.fake_vllm import MARKER, FakeVLLM
+from support.rollouts import Rollouts, installed, session_logs
 
 CLIS = list(harnesses.PACKAGES)       # every harness of the registry that is a CLI
 # A node's gateway: session credentials checked (made under its control token), and the
@@ -27,13 +27,6 @@ NODE_SETS = [f"polar_control_token={TOKEN}", "polar_session_auth=on"]
 def scripted():
     with FakeVLLM("scripted") as backend:
         yield backend
-
-
-def installed(name: str):
-    try:
-        return harnesses.install(name)
-    except harnesses.HarnessMissing as e:   # no npm, or the registry refused: say so
-        pytest.skip(f"{name} could not be installed from npm: {e}")
 
 
 def tool_results(bodies: list[dict]) -> list[str]:
@@ -72,23 +65,12 @@ def short_timers(name, ctx):
 def run_task(proxy, tmp_path, task: str, name: str, launcher, timeout: int, **extra) -> tuple[dict, str]:
     """One sample of a task (with extra fields), run by a gateway node with `name`'s runner
     through the proxy: its session, and the tail of its logs."""
-    server = RolloutServer(str(proxy.db)).start()
     runtime = LocalRuntime(tmp_path / "sessions", keep=True)
-    node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=proxy.port, ca_path=proxy.ca,
-                                  db=str(proxy.db), init_workers=1, run_workers=1, post_workers=1,
-                                  control_token=TOKEN),
-                       runtime=runtime, launcher=launcher).start()
-    try:
-        server.submit({"task_id": task, "harness": name, "timeout": timeout,
-                       "instruction": "Run the shell command 'echo hi' and tell me what it printed.",
-                       "evaluator": f"grep -q {MARKER} polar_proof.txt", **extra})
-        assert server.wait([task], timeout=timeout + 60)
-        session = server.group(task)["sessions"][0]
-    finally:
-        node.stop()
-        server.stop()
-    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in runtime.base.glob("*/logs/*.log"))
-    return session, logs
+    with Rollouts(proxy, runtime, workers=1, post_workers=1, control_token=TOKEN, launcher=launcher) as rollouts:
+        groups = rollouts.run([{"task_id": task, "harness": name, "timeout": timeout,
+                                "instruction": "Run the shell command 'echo hi' and tell me what it printed.",
+                                "evaluator": f"grep -q {MARKER} polar_proof.txt", **extra}], timeout=timeout + 60)
+    return groups[task]["sessions"][0], session_logs(runtime)
 
 
 @pytest.mark.parametrize("slow", [False, True], ids=["quick", "kept-alive"])

@@ -9,7 +9,6 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from polar_mitm.rollout import GatewayNode, NodeConfig, RolloutServer
 from polar_mitm.rollout import images
 from polar_mitm.rollout.protocol import Group
 from polar_mitm.rollout.rewards import complete_fraction, incomplete
@@ -17,6 +16,7 @@ from polar_mitm.rollout.runtime import LocalRuntime
 from polar_mitm.rollout.spec import TestsEvaluator
 from polar_mitm.stack.local import read_tasks
 from support.fake_vllm import FakeVLLM
+from support.rollouts import Rollouts
 
 ROOT = Path(__file__).resolve().parents[2]
 BUGFIX = ROOT / "examples" / "bugfix"
@@ -47,20 +47,10 @@ def test_the_bugfix_tasks_score_by_their_tests_in_the_image(start_proxy, tmp_pat
     submitted.append({**stats, "task_id": "cheat", "harness": "command", "num_samples": 1, "command": CHEAT})
     with FakeVLLM() as backend:
         proxy = start_proxy(backend.url)
-        server = RolloutServer(str(proxy.db)).start()
-        node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=proxy.port, ca_path=proxy.ca,
-                                      db=str(proxy.db), init_workers=2, run_workers=2, heartbeat_s=0.1,
-                                      backend_url=backend.url),
-                           runtime=LocalRuntime(tmp_path / "sessions", sandbox="bwrap")).start()
-        try:
-            for spec in submitted:
-                server.submit({k: v for k, v in spec.items() if v is not None})
-            ids = [s["task_id"] for s in submitted]
-            assert server.wait(ids, timeout=600)
-            groups: dict[str, Group] = {tid: server.group(tid) for tid in ids}
-        finally:
-            node.stop()
-            server.stop()
+        with Rollouts(proxy, LocalRuntime(tmp_path / "sessions", sandbox="bwrap"),
+                      backend_url=backend.url) as rollouts:
+            groups: dict[str, Group] = rollouts.run(
+                [{k: v for k, v in spec.items() if v is not None} for spec in submitted], timeout=600)
     final = {tid: g["sessions"][0] for tid, g in groups.items()}
     for tid in tasks:
         s = final[tid]

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
 
@@ -23,6 +21,7 @@ from polar_mitm.rollout.judge import (VERDICT_SINGLE, JudgeError, JudgeSpec, com
 from polar_mitm.store import CallRecord, CallWriter, SessionInfo, query
 from polar_mitm.store.db import writing
 from polar_mitm.store.transcripts import Transcript, transcript
+from support.judge_model import StandIn
 from support.provider_server import make_result
 
 SPEC = JudgeSpec(rubric="Did the agent fix the bug, and say what it changed?")
@@ -379,54 +378,6 @@ def test_transcript_of_an_unknown_session(tmp_path):
 
 
 # ---- the judge's call against a stand-in endpoint -----------------------------------------
-
-class StandIn:
-    """An OpenAI-compatible chat endpoint on 127.0.0.1 that answers `reply(request body)`."""
-
-    def __init__(self, reply: Callable[[dict], str], status: int = 200):
-        self.reply, self.status = reply, status
-        self.requests: list[dict] = []
-        self.headers: list[dict] = []
-        stand_in = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, status: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                if self.path == "/v1/models":
-                    self._send(200, {"object": "list", "data": [{"id": "judge-m"}, {"id": "other"}]})
-                else:
-                    self._send(404, {"error": "not found"})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                stand_in.requests.append(body)
-                stand_in.headers.append(dict(self.headers))
-                if self.path != "/v1/chat/completions":
-                    return self._send(404, {"error": "not found"})
-                if stand_in.status != 200:
-                    return self._send(stand_in.status, {"error": {"message": "overloaded"}})
-                self._send(200, {"id": "x", "object": "chat.completion", "model": body["model"],
-                                 "choices": [{"index": 0, "finish_reason": "stop", "message": {
-                                     "role": "assistant", "content": stand_in.reply(body)}}]})
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
 
 @pytest.fixture
 def stand_in():

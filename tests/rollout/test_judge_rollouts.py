@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import sys
 
-from polar_mitm.rollout import GatewayNode, NodeConfig, RolloutServer
 from polar_mitm.rollout.judging import judge_groups
-from polar_mitm.rollout.runtime import LocalRuntime
 from polar_mitm.store import query
 from support.fake_vllm import FakeVLLM
-from test_judge import StandIn
+from support.judge_model import StandIn
+from support.rollouts import Rollouts
 from support import SUPPORT
 
 HERE = SUPPORT   # the helper scripts the sessions run
@@ -24,20 +23,10 @@ FAKE = f"{sys.executable} {HERE / 'fake_harness.py'}"
 def _run(start_proxy, tmp_path, tasks: list[dict]) -> tuple[dict, dict, str]:
     with FakeVLLM() as backend:
         proxy = start_proxy(backend.url)
-        server = RolloutServer(str(proxy.db)).start()
-        node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=proxy.port, ca_path=proxy.ca,
-                                      db=str(proxy.db), init_workers=2, run_workers=2, heartbeat_s=0.1,
-                                      backend_url=backend.url),
-                           runtime=LocalRuntime(tmp_path / "sessions")).start()
-        try:
-            for t in tasks:
-                server.submit(t)
-            assert server.wait([t["task_id"] for t in tasks], timeout=120)
-            groups = {t["task_id"]: server.group(t["task_id"]) for t in tasks}
-            specs = {t["task_id"]: server.tasks[t["task_id"]].spec for t in tasks}
-        finally:
-            node.stop()
-            server.stop()
+        with Rollouts(proxy, tmp_path / "sessions", backend_url=backend.url) as rollouts:
+            groups = rollouts.run(tasks, timeout=120)
+            views = rollouts.server.task_views(t["task_id"] for t in tasks)
+            specs = {tid: view.spec for tid, view in views.items()}
     return groups, specs, str(proxy.db)
 
 

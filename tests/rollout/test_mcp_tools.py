@@ -24,10 +24,11 @@ from typing import Any
 
 import pytest
 
-from polar_mitm.rollout import GatewayNode, NodeConfig, RolloutServer, harnesses, mcp
+from polar_mitm.rollout import harnesses, mcp
 from polar_mitm.rollout.runtime import LocalRuntime
 from polar_mitm.store import query
 from support.fake_vllm import FakeVLLM
+from support.rollouts import Rollouts, installed, session_logs
 from support.mcp_echo_server import PROBE_MARKER, TOOL
 from support.procs import until
 from support import SUPPORT
@@ -115,28 +116,12 @@ def run_session(proxy, tmp_path, task: str, name: str, ctx_extra: dict) -> tuple
     def launcher(harness: str, ctx: harnesses.RunContext) -> harnesses.Launch:
         return harnesses.launch(harness, dataclasses.replace(ctx, **ctx_extra))
 
-    server = RolloutServer(str(proxy.db)).start()
     runtime = LocalRuntime(tmp_path / "sessions", keep=True)
-    node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=proxy.port, ca_path=proxy.ca,
-                                  db=str(proxy.db), init_workers=1, run_workers=1, post_workers=1),
-                       runtime=runtime, launcher=launcher).start()
-    try:
-        server.submit({"task_id": task, "harness": name, "timeout": 150, "evaluator": "true",
-                       "instruction": f"Use the probe tool on the word {WORD}, then say what it returned."})
-        assert server.wait([task], timeout=210)
-        session = server.group(task)["sessions"][0]
-    finally:
-        node.stop()
-        server.stop()
-    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in runtime.base.glob("*/logs/*.log"))
-    return session, logs
-
-
-def installed(name: str):
-    try:
-        return harnesses.install(name)
-    except harnesses.HarnessMissing as e:
-        pytest.skip(f"{name} could not be installed from npm: {e}")
+    with Rollouts(proxy, runtime, workers=1, post_workers=1, launcher=launcher) as rollouts:
+        groups = rollouts.run([{"task_id": task, "harness": name, "timeout": 150, "evaluator": "true",
+                                "instruction": f"Use the probe tool on the word {WORD}, then say what it returned."}],
+                              timeout=210)
+    return groups[task]["sessions"][0], session_logs(runtime)
 
 
 @pytest.mark.parametrize("name", MCP_CLIS)

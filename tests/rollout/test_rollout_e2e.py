@@ -10,21 +10,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from polar_mitm.rollout import harnesses
 from polar_mitm.store import query
 from polar_mitm.store.training import training_calls
-from test_rollout_faults import Callbacks
+from support.callbacks import Callbacks
+from support.rollouts import installed
 
 POLAR = str(Path(sys.executable).parent / "polar-mitm")
 
 
 def test_pi_task_file_end_to_end_on_real_vllm(vllm_backend, tmp_path):
-    try:
-        harnesses.install("pi")
-    except harnesses.HarnessMissing as e:
-        pytest.skip(f"pi could not be installed from npm: {e}")
+    installed("pi")
     ws = tmp_path / "repo"
     ws.mkdir()
     (ws / "notes.txt").write_text("hello\n")

@@ -9,9 +9,7 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -19,11 +17,15 @@ import pytest
 
 from polar_mitm.stack import launch
 from polar_mitm.rollout import GatewayNode, NodeConfig, RolloutServer, TaskError, parse_task
+from polar_mitm.rollout.rewards import reward_records
 from polar_mitm.rollout.runtime import LocalRuntime
 from polar_mitm.rollout.spec import parse_reward
 from polar_mitm.store import query
 from support.procs import alive as _alive, token as _token, until as _until
+from support.callbacks import Callbacks
 from support.fake_vllm import FakeVLLM
+from support.git_repo import commit
+from support.rollouts import Rollouts
 from support import SUPPORT
 
 HERE = SUPPORT   # the helper scripts the sessions run
@@ -31,49 +33,13 @@ FAKE = f"{sys.executable} {HERE / 'fake_harness.py'}"
 POLAR = str(Path(sys.executable).parent / "polar-mitm")
 
 
-class Callbacks:
-    """Receives scored groups; fails the first `fail` posts with a 500."""
-
-    def __init__(self, fail: int = 0):
-        self.groups: list[dict] = []
-        self.posts = 0
-        cb = self
-
-        class H(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                cb.posts += 1
-                ok = cb.posts > fail
-                if ok:
-                    cb.groups.append(body)
-                self.send_response(200 if ok else 500)
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/groups"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.fixture
 def stack(start_proxy, tmp_path):
     """A proxy over the scripted backend, a rollout server on its database and one node."""
     with FakeVLLM("scripted") as backend:
         proxy = start_proxy(backend.url)
-        server = RolloutServer(str(proxy.db), callback_backoff=0.05).start()
-        node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=proxy.port, ca_path=proxy.ca,
-                                      db=str(proxy.db), init_workers=2, run_workers=2, heartbeat_s=0.1),
-                           runtime=LocalRuntime(tmp_path / "sessions")).start()
-        yield proxy, server, node
-        node.stop()
-        server.stop()
+        with Rollouts(proxy, tmp_path / "sessions", server_options={"callback_backoff": 0.05}) as rollouts:
+            yield proxy, rollouts.server, rollouts.node
 
 
 def test_a_hanging_harness_is_killed_at_its_timeout_keeps_its_calls_and_scores_zero(stack):
@@ -111,6 +77,10 @@ def test_a_crashing_harness_is_recorded_as_failed_and_follows_on_failure(stack):
     sql = "SELECT session_id, reward FROM sessions WHERE session_id LIKE 'crash%' ORDER BY 1"
     assert _until(lambda: ("crash~0", 0.0) in query(proxy.db, sql)[1], 10)
     assert all(r is None for sid, r in query(proxy.db, sql)[1] if sid.startswith("crash-drop"))
+    # the node stored what `rollout` and the loop store from the server's group: one path
+    (record,) = reward_records(server.group("crash"), "zero")
+    _, rows = query(proxy.db, "SELECT reward, reward_info FROM sessions WHERE session_id = 'crash~0'")
+    assert [(r, json.loads(info)) for r, info in rows] == [(record["reward"], record["info"])]
 
 
 def test_scored_group_reaches_the_callback_after_retries_and_rewards_are_stored(stack):
@@ -283,6 +253,18 @@ def _processes_under(root) -> list[int]:
     return out
 
 
+def _spare_node_finishes(server: RolloutServer, sessions: Path, task_id: str, **cfg) -> dict:
+    """A node started now (the task's first node gone) runs what is left of the task, and
+    stops; the task's group."""
+    node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=1, ca_path="", heartbeat_s=0.1, **cfg),
+                       runtime=LocalRuntime(sessions)).start()
+    try:
+        assert server.wait([task_id], timeout=60)
+        return server.group(task_id)
+    finally:
+        node.stop()
+
+
 def test_a_dead_node_is_detected_and_its_sessions_rescheduled(tmp_path):
     db = tmp_path / "r.duckdb"
     server = RolloutServer(str(db), node_timeout=2.0).start()
@@ -293,7 +275,6 @@ def test_a_dead_node_is_detected_and_its_sessions_rescheduled(tmp_path):
               f" init_workers=2, run_workers=2, heartbeat_s=0.1), runtime=LocalRuntime({str(tmp_path / 'd')!r})).start();"
               "time.sleep(600)")
     doomed = subprocess.Popen([sys.executable, "-c", script])
-    node = None
     try:
         server.submit({"task_id": "nd", "instruction": "x", "harness": "command", "num_samples": 2,
                        "command": f"{FAKE} slow:2 0", "evaluator": "test -f result.txt"})
@@ -303,13 +284,8 @@ def test_a_dead_node_is_detected_and_its_sessions_rescheduled(tmp_path):
         _wait(lambda: server.status()["nodes"]["doomed"]["lost"], 10, "the node to be declared lost")
         # its harnesses (and their network bridges) die with it, as no teardown will come
         _wait(lambda: not _processes_under(tmp_path / "d"), 10, "the dead node's sandboxes to end")
-        node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=1, ca_path="", node_id="spare",
-                                      heartbeat_s=0.1), runtime=LocalRuntime(tmp_path / "s")).start()
-        assert server.wait(["nd"], timeout=60)
-        g = server.group("nd")
+        g = _spare_node_finishes(server, tmp_path / "s", "nd", node_id="spare")
     finally:
-        if node:
-            node.stop()
         server.stop()
         if doomed.poll() is None:
             doomed.kill()
@@ -361,7 +337,6 @@ def test_a_node_that_stops_hands_its_sessions_back(tmp_path):
     server = RolloutServer(str(tmp_path / "r.duckdb")).start()
     cfg = dict(server_url=server.url, proxy_port=1, ca_path="", init_workers=1, run_workers=1, heartbeat_s=0.1)
     first = GatewayNode(NodeConfig(node_id="first", **cfg), runtime=LocalRuntime(tmp_path / "a")).start()
-    second = None
     try:
         server.submit({"task_id": "handback", "instruction": "x", "harness": "command", "num_samples": 3,
                        "command": f"{FAKE} slow:1 0", "evaluator": "test -f result.txt"})
@@ -369,12 +344,9 @@ def test_a_node_that_stops_hands_its_sessions_back(tmp_path):
         first.stop()
         st = server.status()["sessions"]
         assert st.get("pending") == 3 and not set(st) - {"pending", "lost"}, st   # all back in the queue
-        second = GatewayNode(NodeConfig(node_id="second", **cfg), runtime=LocalRuntime(tmp_path / "b")).start()
-        assert server.wait(["handback"], timeout=60)
-        g = server.group("handback")
+        g = _spare_node_finishes(server, tmp_path / "b", "handback", node_id="second", init_workers=1,
+                                 run_workers=1)
     finally:
-        if second:
-            second.stop()
         server.stop()
     assert all(s["state"] == "done" and s["node_id"] == "second" and s["reward"] == 1.0 for s in g["sessions"])
     # the one that had started running is a new attempt; the others never ran and keep their names
@@ -439,7 +411,7 @@ def test_heartbeats_look_only_through_unfinished_sessions(tmp_path):
         server.heartbeat({"node_id": "n", "load": {"free": 0}, "active": [], "events": [
             {"session_id": ids[-1], "state": "run"}]})
         assert [s.session_id for s in server.scheduler.live()] == [ids[-1]] and len(server.scheduler.open) == 1
-        assert len(server.sessions) == 120 and server.status()["sessions"] == {"run": 1, "done": 119}
+        assert len(server.scheduler.sessions) == 120 and server.status()["sessions"] == {"run": 1, "done": 119}
         assert server.task_status("t29")["sessions"][3]["state"] == "run"
     finally:
         server.stop()
@@ -448,15 +420,8 @@ def test_heartbeats_look_only_through_unfinished_sessions(tmp_path):
 def test_a_git_workspace_is_checked_out_at_its_commit(tmp_path):
     from polar_mitm.rollout.spec import Workspace
     repo = tmp_path / "repo"
-    repo.mkdir()
-    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
-    subprocess.run(["git", "init", "-q", str(repo)], check=True)
-    (repo / "app.py").write_text("v1\n")
-    subprocess.run(git + ["add", "."], check=True)
-    subprocess.run(git + ["commit", "-qm", "one"], check=True)
-    first = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    (repo / "app.py").write_text("v2\n")
-    subprocess.run(git + ["commit", "-qam", "two"], check=True)
+    first = commit(repo, {"app.py": "v1\n"}, "one")
+    commit(repo, {"app.py": "v2\n"}, "two")
     rt = LocalRuntime(tmp_path / "s")
     box = rt.prepare("g~0", Workspace(git=str(repo), commit=first))
     assert (box.workdir / "app.py").read_text() == "v1\n"

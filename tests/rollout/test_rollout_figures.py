@@ -16,12 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from polar_mitm.rollout import GatewayNode, NodeConfig, RolloutServer
-from polar_mitm.rollout.runtime import LocalRuntime
 from polar_mitm.cli.rollout import RunFigures, reward_figures
 from polar_mitm.store import connect, init_db
 from polar_mitm.store.figures import backend_busy, run_figures, session_calls
 from support.fake_vllm import FakeVLLM
+from support.rollouts import Rollouts
 from support import SUPPORT
 
 HERE = SUPPORT   # the helper scripts the sessions run
@@ -173,11 +172,8 @@ def test_the_progress_line_shows_the_backend_busy_share_and_calls_per_session(st
     """In-process, the figures read from the database at every tick."""
     with TimedVLLM(delay=0.3) as backend:
         proxy = start_proxy(backend.url)
-        server = RolloutServer(str(proxy.db)).start()
-        node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=proxy.port, ca_path=proxy.ca,
-                                      db=str(proxy.db), init_workers=2, run_workers=2, heartbeat_s=0.1),
-                           runtime=LocalRuntime(tmp_path / "sessions")).start()
-        try:
+        with Rollouts(proxy, tmp_path / "sessions") as rollouts:
+            server = rollouts.server
             server.submit({"task_id": "p", "instruction": "x", "harness": "command", "num_samples": 4,
                            "command": f"{FAKE} ok 3", "evaluator": "echo 1"})
             run = RunFigures(server, str(proxy.db), ["p"], db_every=0.0, print_every=0.0)
@@ -188,9 +184,6 @@ def test_the_progress_line_shows_the_backend_busy_share_and_calls_per_session(st
                 etas.append(run.eta())
             run.stop_clock()
             lines += run.tick(final=True)
-        finally:
-            node.stop()
-            server.stop()
     last = lines[-1]
     assert "sessions: done 4 | mean reward 1.000 (n=4)" in last, lines
     assert re.search(r"per session 3\.0 calls, \d+ prompt \+ \d+ completion tokens", last), last

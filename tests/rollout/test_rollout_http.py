@@ -48,7 +48,7 @@ def test_requests_of_the_wrong_type_get_400_naming_the_field(server):
     assert "events.0.state: Input should be 'pending', 'assigned'" in message
     assert "events.1.reward: Input should be a valid number" in message
     assert [f["field"] for f in r.json()["error"]["fields"]] == ["load.free", "events.0.state", "events.1.reward"]
-    assert "n" not in server.nodes                                  # nothing of it was taken
+    assert "n" not in server.status()["nodes"]                      # nothing of it was taken
     assert "node_id: Field required" in _error(httpx.post(f"{u}/nodes/heartbeat", json={"load": {}}), 400)
     assert "active: Input should be a valid list" in _error(
         httpx.post(f"{u}/nodes/heartbeat", json={"node_id": "n", "active": "t~0"}), 400)
@@ -68,7 +68,7 @@ def test_requests_of_the_wrong_type_get_400_naming_the_field(server):
     # what fits the types is then checked as a task (spec.parse_task): same shape of answer
     assert _error(httpx.post(f"{u}/tasks", json=_task("t", timeout=-5)), 400) \
         == "t: timeout must be a positive number of seconds, not -5.0"
-    assert server.tasks == {}
+    assert server.task_views() == {}
     # the policy
     assert "version: Input should be a valid integer" in _error(
         httpx.post(f"{u}/policy", json={"version": "3", "checkpoint": "/c"}), 400)
@@ -108,7 +108,7 @@ def test_errors_are_mapped_by_type_and_answers_are_typed(server):
     session = httpx.get(f"{u}/tasks/t").json()["sessions"][0]
     assert session == {"session_id": "t~0", "sample": 0, "attempt": 1, "state": "done", "node_id": "n",
                        "reward": 1.0, "reason": None, "stats": {"calls": 2}}
-    assert server.sessions["t~0"].state is Session.DONE
+    assert server.task_status("t")["sessions"][0]["state"] is Session.DONE
     status = httpx.get(f"{u}/status").json()
     assert status["sessions"] == {"pending": 1, "done": 1} and status["nodes"]["n"]["free"] == 0
     target = httpx.post(f"{u}/policy", json={"version": 2, "checkpoint": "/ckpt"}).json()
@@ -155,9 +155,9 @@ def test_a_slow_heartbeat_holds_up_no_other_request(tmp_path, monkeypatch):
         for b in beats:
             b.start()
         until_in = time.monotonic() + 10
-        while len(server.nodes) < 4 and time.monotonic() < until_in:
+        while len(server.status()["nodes"]) < 4 and time.monotonic() < until_in:
             time.sleep(0.01)
-        assert len(server.nodes) == 4                      # all four are in, waiting on the database
+        assert len(server.status()["nodes"]) == 4          # all four are in, waiting on the database
         for path in ("/status", "/policy", "/tasks", "/tasks/t", "/tasks/t/group"):
             r = httpx.get(f"{server.url}{path}", timeout=10)
             assert r.status_code == 200

@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import click
@@ -28,7 +27,9 @@ from polar_mitm.rollout.spec import TaskChanged, TaskExists
 from polar_mitm.stack.local import read_tasks
 from polar_mitm.store import query
 from support.procs import until
+from support.callbacks import Callbacks
 from support.fake_vllm import FakeVLLM
+from support.git_repo import commit
 from support import SUPPORT
 
 HERE = SUPPORT   # the helper scripts the sessions run
@@ -62,20 +63,9 @@ def test_a_task_id_twice_in_a_file_is_an_error_naming_both_lines(tmp_path):
 
 
 # -- submission --------------------------------------------------------------------------------
-def _repo(root: Path) -> tuple[Path, str]:
-    repo = root / "repo"
-    repo.mkdir()
-    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
-    subprocess.run(["git", "init", "-q", str(repo)], check=True)
-    (repo / "a.txt").write_text("a\n")
-    subprocess.run(git + ["add", "."], check=True)
-    subprocess.run(git + ["commit", "-qm", "one"], check=True)
-    head = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    return repo, head
-
-
 def test_a_bad_workspace_or_git_repo_is_refused_at_submission(tmp_path):
-    repo, head = _repo(tmp_path)
+    repo = tmp_path / "repo"
+    head = commit(repo, {"a.txt": "a\n"}, "one")
     (tmp_path / "plain").mkdir()
     (tmp_path / "file").write_text("x")
     server = RolloutServer(str(tmp_path / "r.duckdb")).start()
@@ -91,7 +81,7 @@ def test_a_bad_workspace_or_git_repo_is_refused_at_submission(tmp_path):
             assert str(e.value) == message
             r = httpx.post(f"{server.url}/tasks", json=_task("w", workspace=ws))
             assert r.status_code == 400 and r.json()["error"]["message"] == message
-        assert "w" not in server.tasks                         # nothing of it was queued
+        assert "w" not in server.task_views()                  # nothing of it was queued
         assert server.submit(_task("ok", workspace={"git": str(repo), "commit": head})) == ["ok~0"]
         assert server.submit(_task("dir", workspace=str(tmp_path / "plain"))) == ["dir~0"]
     finally:
@@ -127,7 +117,7 @@ def test_a_changed_task_is_refused_and_the_same_one_resumes(tmp_path):
         # a task_id twice in one request
         r = httpx.post(f"{server.url}/tasks", json=[_task("x"), _task("y"), _task("x")])
         assert r.status_code == 400 and r.json()["error"]["message"] == "task_id x given twice in one request"
-        assert "x" not in server.tasks
+        assert "x" not in server.task_views()
     finally:
         client.close()
         server.stop()
@@ -169,7 +159,8 @@ def test_a_released_attempt_never_counts_as_a_failed_one(tmp_path):
         assert [(s["state"], s["reason"]) for s in g["attempts"]] == [("released", "node n stopped")] * 5
         for lost in range(3):  # now three lost nodes: those count
             sid = run_once(f"gone{lost}")
-            assert until(lambda: server.sessions[sid].state != "run", 10)
+            assert until(lambda: {s["session_id"]: s["state"] for s in server.task_status("t")["sessions"]}[sid]
+                         != "run", 10)
         g = server.group("t")
     finally:
         server.stop()
@@ -194,7 +185,7 @@ def test_a_cancel_goes_on_after_a_restart_with_its_reason(tmp_path):
         server.stop()
     server = RolloutServer(db).start()
     try:
-        assert server.tasks["t"].cancel_reason == "the run was stopped"
+        assert server.task_views(["t"])["t"].cancel_reason == "the run was stopped"
         got = server.heartbeat({**beat, "active": ["t~0", "t~1"]})
         assert sorted(got["cancel"]) == ["t~0", "t~1"]
         server.heartbeat({**beat, "active": [], "events": [
@@ -250,34 +241,9 @@ def test_a_node_pauses_while_its_backend_is_down(tmp_path):
 
 
 # -- callbacks ---------------------------------------------------------------------------------
-class Receiver:
-    def __init__(self):
-        self.got: dict[str, float] = {}
-        recv = self
-
-        class H(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                recv.got[body["task_id"]] = time.monotonic()
-                self.send_response(200)
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/groups"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 def test_callbacks_are_sent_concurrently_each_with_its_own_retries(tmp_path):
     hang = socket.create_server(("127.0.0.1", 0), backlog=16)   # takes connections, never answers
-    ok = Receiver()
+    ok = Callbacks()
     server = RolloutServer(str(tmp_path / "r.duckdb"), callback_timeout=2.0, callback_tries=3,
                            callback_backoff=0.05).start()
     try:
@@ -289,8 +255,8 @@ def test_callbacks_are_sent_concurrently_each_with_its_own_retries(tmp_path):
         t0 = time.monotonic()
         server.heartbeat({"node_id": "n", "load": {"free": 0}, "active": [], "events": [
             {"session_id": sid, "state": "done", "reward": 1.0} for sid in ids]})
-        assert until(lambda: "quick" in ok.got, 10)
-        assert ok.got["quick"] - t0 < 1.5       # not after the stuck one's 2 s timeouts
+        assert until(lambda: "quick" in ok.arrived, 10)
+        assert ok.arrived["quick"] - t0 < 1.5       # not after the stuck one's 2 s timeouts
         assert server.wait(["stuck", "quick"], timeout=30)
         took = time.monotonic() - t0
     finally:
@@ -385,7 +351,8 @@ def test_rollout_exit_codes_and_interrupts_that_spend_no_attempts(tmp_path):
                 assert r.wait() == code, r.out
             finally:
                 r.p.kill()
-            assert "interrupted: sessions in flight were stopped" in r.out
+            said = "SIGTERM" if sig == signal.SIGTERM else "Ctrl-C"
+            assert f"interrupted ({said}): sessions in flight were stopped" in r.out
         (ws / "GO").write_text("")
         out = _run(tasks, "--db", db, "--backend", backend.url)
         assert out.returncode == 0, out.stdout + out.stderr

@@ -79,7 +79,8 @@ def test_a_heartbeat_answered_is_in_the_log_and_a_server_killed_before_folding_l
 
     again = RolloutServer(db).start()
     try:
-        assert again.sessions["t~0"].node_id == "n" and again.sessions["t~0"].state == "assigned"
+        s = again.task_status("t")["sessions"][0]
+        assert (s["session_id"], s["node_id"], s["state"]) == ("t~0", "n", "assigned")
         assert not journal_log.segments(journal_log.log_dir(db))      # folded at the start
         with reading(db) as con:
             assert con.execute("SELECT node_id FROM rollout_sessions WHERE session_id = 't~0'").fetchone() == ("n",)

@@ -97,15 +97,7 @@ class TemplateVLLM(FakeVLLM):
         if not msg.get("tool_calls"):
             msg["content"] = text
         out_ids = self.tok.encode(text, add_special_tokens=False) + [self.eot]
-        prompt = self.prompt_ids(messages, tools or None)
-        return {"id": f"chatcmpl-{next(self._ids)}", "object": "chat.completion", "created": 1,
-                "model": body.get("model", self.model), "prompt_token_ids": prompt,
-                "choices": [{"index": 0, "message": msg,
-                             "finish_reason": "tool_calls" if msg.get("tool_calls") else "stop",
-                             "token_ids": out_ids,
-                             "logprobs": {"content": [{"token": "x", "logprob": -0.5} for _ in out_ids]}}],
-                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(out_ids),
-                          "total_tokens": len(prompt) + len(out_ids)}}
+        return self.completion(body, msg, out_ids, self.prompt_ids(messages, tools or None), logprob=-0.5)
 
 
 def openai_session(proxy, sid: str, turns: str = "tools") -> None:

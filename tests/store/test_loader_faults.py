@@ -8,7 +8,6 @@ memory; and kill -9 of the process between COMMIT and the next step."""
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import replace
 import os
 import signal
@@ -16,96 +15,23 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections import Counter
 from pathlib import Path
 
 import duckdb
 import pytest
 
-from polar_mitm.store import CallRecord, CallWriter, SessionInfo, init_db, log_dir, query
+from polar_mitm.store import CallWriter, SessionInfo, init_db, log_dir, query
 from polar_mitm.store import loader as loader_module
-from polar_mitm.store.calllog import LogAppender
+from polar_mitm.store.calllog import LogAppender, log_end
+from polar_mitm.store.calllog_owner import claim_log
 from polar_mitm.store.lines import dumps
-from polar_mitm.store.loader import Loader, LoaderConfig, PositionMoved, catch_up, claim_log
+from polar_mitm.store.load_batch import PositionMoved
+from polar_mitm.store.loader import Loader, LoaderConfig, catch_up
+from polar_mitm.store.log_rows import MAIN
+from support import SUPPORT
+from support.loader_faults import Faults, faulty_connect, record
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def record(i: int) -> CallRecord:
-    return CallRecord(f"c{i}", style="openai_chat", prompt_token_ids=[1, 2, 3], token_ids=[4, 5],
-                      logprobs=[-0.5, -0.25], request_text=f'{{"i":{i}}}', started_at=time.time(),
-                      status_code=200)
-
-
-class Faults:
-    """Which fault the next load gets (one plan entry per BEGIN), and where it fires."""
-
-    BEFORE = {"before_insert": duckdb.IOException, "oom": duckdb.OutOfMemoryException}
-
-    def __init__(self, plan):
-        self.plan = itertools.cycle(plan)
-        self.current = None
-        self.fired: Counter = Counter()
-        self.enabled = True
-
-    def begin(self) -> None:
-        self.current = next(self.plan) if self.enabled else None
-
-    def fire(self, kind: str) -> bool:
-        if self.current == kind:
-            self.fired[kind] += 1
-            self.current = None
-            return True
-        return False
-
-
-class FaultyConnection:
-    """A DuckDB connection that fails where Faults says (the rest is the real one)."""
-
-    def __init__(self, con, faults: Faults):
-        self._con, self._faults, self._invalid = con, faults, False
-
-    def execute(self, sql: str, params=None):
-        f = self._faults
-        if self._invalid:
-            raise duckdb.FatalException("FATAL Error: database has been invalidated (injected)")
-        if sql == "BEGIN":
-            f.begin()
-        if sql.startswith("INSERT INTO call_records_"):
-            for kind, error in Faults.BEFORE.items():
-                if f.fire(kind):
-                    raise error(f"injected: {kind}")
-        if sql.startswith("INSERT INTO meta") and f.fire("after_insert"):
-            raise duckdb.IOException("injected: after the insert")
-        if sql == "CHECKPOINT" and f.fire("checkpoint"):
-            raise duckdb.IOException("injected: checkpoint failed")
-        result = self._con.execute(sql) if params is None else self._con.execute(sql, params)
-        if sql == "COMMIT":
-            if f.fire("after_commit"):
-                raise duckdb.TransactionException("TransactionContext Error: Failed to commit: "
-                                                  "COMMIT succeeded and is durable, but the "
-                                                  "autocheckpoint failed (injected)")
-            if f.fire("invalidated"):
-                self._invalid = True
-                raise duckdb.FatalException("FATAL Error: Checkpoint failed: database has been "
-                                            "invalidated (injected)")
-            if f.fire("kill"):
-                os.kill(os.getpid(), signal.SIGKILL)
-        return result
-
-    def close(self):
-        self._con.close()
-
-    def __getattr__(self, name):
-        return getattr(self._con, name)
-
-
-def faulty_connect(faults: Faults):
-    real = loader_module.connect
-
-    def connect(*args, **kwargs):
-        return FaultyConnection(real(*args, **kwargs), faults)
-    return connect
 
 
 def assert_exactly_once(db: Path, call_ids: list[str], unacknowledged: set[str] = frozenset()) -> None:
@@ -166,7 +92,7 @@ def test_every_fault_of_a_load_leaves_every_acknowledged_call_stored_exactly_onc
     assert w.health()["state"] == "ok"
     assert_exactly_once(db, acked)
     # whole row groups were loaded too (straight to the file), not only tail loads
-    assert query(db, f"SELECT count(*) FROM {loader_module.MAIN}")[1][0][0] >= 2048
+    assert query(db, f"SELECT count(*) FROM {MAIN}")[1][0][0] >= 2048
 
 
 def test_a_loader_that_keeps_failing_says_so_and_recovers_when_the_database_does(tmp_path, monkeypatch):
@@ -211,7 +137,7 @@ def test_a_load_that_starts_anywhere_but_the_stored_position_stores_nothing(tmp_
     loader = Loader(db)
     loader.open(10)
     stale = loader.position
-    end = loader_module.log_end(log_dir(db))
+    end = log_end(log_dir(db))
     assert loader.load(end, group=False) == 3
     loader.position = stale   # as if that COMMIT had raised
     with pytest.raises(PositionMoved):
@@ -225,7 +151,7 @@ def test_a_load_that_starts_anywhere_but_the_stored_position_stores_nothing(tmp_
 KILLED_WRITER = """
 import sys, time
 sys.path.insert(0, {tests!r})
-from test_loader_faults import Faults, faulty_connect, record
+from support.loader_faults import Faults, faulty_connect, record
 from polar_mitm.store import CallWriter, SessionInfo
 from polar_mitm.store import loader as loader_module
 point, start, n = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -243,7 +169,7 @@ for i in range(start, start + n):   # calls until the fault in its loader kills 
 def test_kill_9_between_commit_and_the_next_step_loses_and_repeats_nothing(tmp_path):
     db = tmp_path / "a.duckdb"
     script = tmp_path / "killed_writer.py"
-    script.write_text(textwrap.dedent(KILLED_WRITER.format(tests=str(Path(__file__).resolve().parent))))
+    script.write_text(textwrap.dedent(KILLED_WRITER.format(tests=str(SUPPORT.parent))))
     acked: list[str] = []
     in_flight: set[str] = set()
     for run, skip in enumerate((0, 2, 1, 0, 3)):
@@ -319,4 +245,4 @@ def test_loads_are_sized_by_bytes_with_memory_for_every_line(tmp_path):
         assert w.pending_lines == 5 and w.loads == 1 and w.load_errors == 0
     finally:
         w.close()
-    assert query(db, f"SELECT count(*) FROM {loader_module.MAIN}")[1] == [(2048,)]
+    assert query(db, f"SELECT count(*) FROM {MAIN}")[1] == [(2048,)]

@@ -13,7 +13,8 @@ from polar_mitm.store import (CallRecord, CallWriter, SessionInfo, StoreBusy, co
                               log_dir, query, set_reward)
 from polar_mitm.store.calllog import segment_ids, segment_path
 from polar_mitm.store import writer as writer_module
-from polar_mitm.store.loader import TAIL, LoaderConfig
+from polar_mitm.store.loader import LoaderConfig
+from polar_mitm.store.log_rows import TAIL
 from polar_mitm.store.db import reading, readers_dir, readers_waiting, writing
 from polar_mitm.store.db import schema_version
 from polar_mitm.store.schema import MIGRATIONS

@@ -1,7 +1,6 @@
 """The stand-in for vLLM's HTTP API, for tests and scripts that do not need the real server
 (everything that checks real tokens runs against it: the vllm_backend fixture). One class,
-FakeVLLM, in a thread of the caller's process; its `mode` says how it answers
-/v1/chat/completions:
+FakeVLLM; its `mode` says how it answers /v1/chat/completions:
 
   "ok"        "ok" (or "ok <weights>" after a reload), three prompt ids, two generated ids.
               Like vLLM (before it clamped), it refuses prompt tokens + max_tokens above
@@ -15,16 +14,24 @@ FakeVLLM, in a thread of the caller's process; its `mode` says how it answers
               (picked from the advertised tools, arguments built from its schema), later
               turns get text, and JSON-schema requests (Gemini's router, Claude's title) get
               an object that fits the schema. Token ids are the bytes of the messages' JSON,
-              so turn N's prompt extends turn N-1's as a real tokenizer's would; answer() may
-              be overridden.
+              so turn N's prompt extends turn N-1's as a real tokenizer's would; answer() (and
+              prompt_ids, tokenize) may be overridden: the benchmarks' realistic traffic
+              (scripts/workload.py) and the tests' own templates do.
 
 Every mode has vLLM's other endpoints: GET /v1/models (with max_model_len), POST /tokenize,
 and the dev-mode ones a weight sync uses (/sleep, /wake_up, /is_sleeping, /collective_rpc
 reload_weights, /reset_prefix_cache, /update_weight_version, GET /weight_info; 404 with
-dev_mode=False). What it was asked is kept: bodies, tokenized, control, served, reloads.
-down() closes its port and up() opens the same one again (a backend that goes away and comes
-back); restart() is that with the state a new vLLM process starts with; outage(seconds, how)
-is an outage in a thread (its port closed, or 503s), cutting the calls it holds then too."""
+dev_mode=False); GET /_fake/counts says how many requests each path had. What it was asked
+is kept (keep=False: only counted, for long benchmarks): bodies, tokenized, control, served,
+reloads.
+
+respond() is the whole answer to a request; the transport is the caller's choice. By default
+the stand-in serves from a thread of the caller's process: down() closes its port and up()
+opens the same one again (a backend that goes away and comes back); restart() is that with
+the state a new vLLM process starts with; outage(seconds, how) is an outage in a thread (its
+port closed, or 503s), cutting the calls it holds then too. listen=False opens no port: a
+benchmark serves respond() from an asyncio server in a process of its own
+(scripts/workload.py serve)."""
 
 from __future__ import annotations
 
@@ -40,6 +47,8 @@ SHELL_TOOLS = ("Bash", "bash", "run_shell_command", "exec_command", "shell_comma
 MARKER = "polar-tool-ok"
 COMMAND = f"echo {MARKER} > polar_proof.txt && cat polar_proof.txt"
 MODES = ("ok", "500", "badjson", "odd", "context", "scripted")
+ASLEEP = b'{"error":{"message":"asleep","type":"InternalServerError"}}'
+NOT_FOUND = b'{"detail":"Not Found"}'
 
 
 def _fit(schema: dict):
@@ -63,19 +72,26 @@ def _args(schema: dict) -> dict:
     return out
 
 
+class Dropped(Exception):
+    """The request is not answered: its connection is dropped (an outage that refuses)."""
+
+
 class FakeVLLM:
     def __init__(self, mode: str = "ok", delay: float = 0.0, max_model_len: int | None = None,
-                 reload_delay: float = 0.0, dev_mode: bool = True):
+                 reload_delay: float = 0.0, dev_mode: bool = True, model: str | None = None,
+                 keep: bool = True, listen: bool = True):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
-        self.mode, self.delay = mode, delay
+        self.mode, self.delay, self.keep = mode, delay, keep
         self.max_model_len = max_model_len or (262144 if mode == "scripted" else 4096)
-        self.model = "scripted" if mode == "scripted" else "fake-model"
+        self.model = model or ("scripted" if mode == "scripted" else "fake-model")
         self.bodies: list[dict] = []
         self.tokenized: list[dict] = []   # /tokenize bodies
+        self.counts: dict[str, int] = {}  # requests by path (and "connections opened", by the transport)
         # weights as vLLM's dev-mode endpoints change them: the answer says which served it
-        self.weights, self.reload_delay, self.dev_mode = "base", reload_delay, dev_mode
-        self.served: list[tuple[float, float, str, str]] = []   # (start, end, weights then, weights after)
+        self.weights: str | None = "base"
+        self.reload_delay, self.dev_mode = reload_delay, dev_mode
+        self.served: list[tuple[float, float, str | None, str | None]] = []   # (start, end, weights then, after)
         self.reloads: list[tuple[float, float, str]] = []       # (start, end, weights path)
         self.lock = threading.Lock()
         self.reloading = False
@@ -92,9 +108,13 @@ class FakeVLLM:
         self._handler = self._make_handler()
         self._httpd: ThreadingHTTPServer | None = None
         self._serving = False
-        self._bind(0)
-        self.port = self._httpd.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port: int | None = None
+        self.url = ""
+        if listen:
+            self._bind(0)
+            assert self._httpd is not None
+            self.port = self._httpd.server_address[1]
+            self.url = f"http://127.0.0.1:{self.port}"
 
     # ---- answers -------------------------------------------------------------------------
 
@@ -108,6 +128,25 @@ class FakeVLLM:
     def prompt_ids(messages) -> list[int]:
         """The scripted mode's prompt token ids: the bytes of the messages' JSON."""
         return list(orjson.dumps(messages))
+
+    def tokenize(self, body: dict) -> dict:
+        """/tokenize's answer: the messages' token count (prompt_tokens) and the context length."""
+        n = self.prompt_tokens(body.get("messages") or [])
+        return {"count": n, "max_model_len": self.max_model_len,
+                "tokens": [] if self.mode == "scripted" else list(range(n))}
+
+    def completion(self, body: dict, msg: dict, out_ids: list[int], prompt: list[int],
+                   logprob: float = -0.1) -> dict:
+        """vLLM's chat.completion with its token fields: `msg` sampled as out_ids (each at
+        `logprob`) after the prompt's ids."""
+        return {"id": f"chatcmpl-{next(self._ids)}", "object": "chat.completion", "created": 1,
+                "model": body.get("model", self.model), "prompt_token_ids": prompt,
+                "choices": [{"index": 0, "message": msg,
+                             "finish_reason": "tool_calls" if msg.get("tool_calls") else "stop",
+                             "token_ids": out_ids,
+                             "logprobs": {"content": [{"token": "x", "logprob": logprob} for _ in out_ids]}}],
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(out_ids),
+                          "total_tokens": len(prompt) + len(out_ids)}}
 
     def answer(self, body: dict) -> dict:
         """The scripted mode's completion for a request body."""
@@ -126,16 +165,7 @@ class FakeVLLM:
         else:
             msg["content"] = "Done: the command printed " + (MARKER if had_result else "nothing") + "."
         text = msg["content"] or orjson.dumps(msg.get("tool_calls")).decode()
-        out_ids = list(text.encode())[:64] + [0]
-        prompt = self.prompt_ids(messages)
-        return {"id": f"chatcmpl-{next(self._ids)}", "object": "chat.completion", "created": 1,
-                "model": body.get("model", self.model), "prompt_token_ids": prompt,
-                "choices": [{"index": 0, "message": msg,
-                             "finish_reason": "tool_calls" if msg.get("tool_calls") else "stop",
-                             "token_ids": out_ids,
-                             "logprobs": {"content": [{"token": "x", "logprob": -0.1} for _ in out_ids]}}],
-                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(out_ids),
-                          "total_tokens": len(prompt) + len(out_ids)}}
+        return self.completion(body, msg, list(text.encode())[:64] + [0], self.prompt_ids(messages))
 
     def _completion(self, body: dict, weights) -> tuple[int, bytes]:
         if self.mode == "scripted":
@@ -165,13 +195,103 @@ class FakeVLLM:
                                                   {"token": "</s>", "logprob": -0.1}]}}],
             "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
 
-    # ---- the server ----------------------------------------------------------------------
+    # ---- a request ---------------------------------------------------------------------
+
+    def respond(self, method: str, path: str, raw: bytes) -> tuple[int, bytes]:
+        """The answer to one request: (status, JSON body). It blocks while it "generates"
+        (delay) or reloads (reload_delay); raises Dropped where the connection is dropped."""
+        route, _, query = path.partition("?")
+        with self.lock:
+            self.counts[route] = self.counts.get(route, 0) + 1
+        if (busy := self._outage()) is not None:
+            return busy
+        if method == "GET":
+            return self._get(route)
+        try:
+            body = orjson.loads(raw or b"{}")
+        except orjson.JSONDecodeError:
+            return 400, b'{"error":{"message":"invalid JSON","type":"BadRequestError"}}'
+        if route in ("/sleep", "/wake_up", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version"):
+            return self._dev_call(route, path, query, body) if self.dev_mode else (404, NOT_FOUND)
+        if route == "/tokenize":
+            if self.keep:
+                self.tokenized.append(body)
+            return 200, orjson.dumps(self.tokenize(body))
+        return self._generate(body)
+
+    def _outage(self) -> tuple[int, bytes] | None:
+        """During an outage: the connection dropped (refuse) or a 503, as a crashed or
+        overloaded vLLM would."""
+        if self.failing == "refuse":
+            raise Dropped
+        if self.failing == "503":
+            return 503, b'{"error":{"message":"the engine is not ready","type":"ServiceUnavailable"}}'
+        return None
+
+    def _get(self, route: str) -> tuple[int, bytes]:
+        if route == "/is_sleeping":
+            return 200, orjson.dumps({"is_sleeping": bool(self.sleeping)})
+        if route == "/weight_info" and self.dev_mode:
+            return 200, orjson.dumps({"weight_version": self.weight_version})
+        if route == "/v1/models":
+            return 200, orjson.dumps({"object": "list", "data": [
+                {"id": self.model, "object": "model", "created": 0, "owned_by": "vllm", "root": self.model,
+                 "parent": None, "max_model_len": self.max_model_len, "permission": []}]})
+        if route == "/_fake/counts":
+            with self.lock:
+                return 200, orjson.dumps(self.counts)
+        return 404, NOT_FOUND
+
+    def _dev_call(self, route: str, path: str, query: str, body: dict) -> tuple[int, bytes]:
+        """vLLM's dev-mode endpoints: sleep and wake, and what a weight sync calls."""
+        self.control.append(path)
+        if route in ("/sleep", "/wake_up"):
+            tags = [t.partition("=")[2] for t in query.split("&") if t.startswith("tags=")]
+            if route == "/sleep":
+                self.sleeping = {"weights", "kv_cache"}
+                if "level=2" in query:
+                    self.weights = None     # discarded: only a reload brings them back
+            else:
+                self.sleeping -= set(tags or ("weights", "kv_cache"))
+            return 200, b"{}"
+        if "weights" in self.sleeping:
+            return 500, b'{"detail":"the weights sleep"}'
+        if route == "/update_weight_version":
+            self.weight_version = body.get("new_version")
+        if route == "/collective_rpc":
+            t0 = time.monotonic()
+            self.reloading = True
+            time.sleep(self.reload_delay)
+            self.weights = body["kwargs"]["weights_path"]
+            self.reloading = False
+            self.reloads.append((t0, time.monotonic(), self.weights))
+        return 200, b'{"results": [null]}'
+
+    def _generate(self, body: dict) -> tuple[int, bytes]:
+        """A completion (any other POST path), by the weights it holds when it starts."""
+        if self.keep:
+            self.bodies.append(body)
+        if self.sleeping or self.weights is None:
+            self.served_asleep += 1
+            return 500, ASLEEP
+        t0, weights = time.monotonic(), self.weights
+        if self.delay:
+            time.sleep(self.delay)
+        if (busy := self._outage()) is not None:     # the outage began while it generated: lost with it
+            return busy
+        if self.keep:
+            with self.lock:
+                self.served.append((t0, time.monotonic(), weights, self.weights))
+        return self._completion(body, weights)
+
+    # ---- the server (a thread of this process) -------------------------------------------
 
     def _make_handler(self):
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers and body go out as separate writes
 
             def setup(self):
                 super().setup()
@@ -185,12 +305,21 @@ class FakeVLLM:
                     super().finish()
                 except OSError:
                     pass
-            disable_nagle_algorithm = True  # headers and body go out as separate writes
 
             def log_message(self, *a):
                 pass
 
-            def _send(self, status, body: bytes):
+            def _answer(self, method: str) -> None:
+                raw = self.rfile.read(int(self.headers.get("content-length") or 0)) if method == "POST" else b""
+                try:
+                    status, body = fake.respond(method, self.path, raw)
+                except Dropped:
+                    self.close_connection = True
+                    try:
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                    return
                 try:
                     self.send_response(status)
                     self.send_header("content-type", "application/json")
@@ -200,84 +329,11 @@ class FakeVLLM:
                 except (BrokenPipeError, ConnectionResetError):
                     pass   # the proxy gave up on this call (its harness timed out)
 
-            def _failing(self) -> bool:
-                """During an outage: the connection dropped (refuse) or a 503, as a crashed
-                or overloaded vLLM would; True when it answered so."""
-                if fake.failing == "refuse":
-                    self.close_connection = True
-                    try:
-                        self.connection.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-                    return True
-                if fake.failing == "503":
-                    self._send(503, b'{"error":{"message":"the engine is not ready","type":"ServiceUnavailable"}}')
-                    return True
-                return False
-
             def do_GET(self):
-                if self._failing():
-                    return
-                if self.path == "/is_sleeping":
-                    self._send(200, orjson.dumps({"is_sleeping": bool(fake.sleeping)}))
-                elif self.path == "/weight_info" and fake.dev_mode:
-                    self._send(200, orjson.dumps({"weight_version": fake.weight_version}))
-                elif self.path == "/v1/models":
-                    self._send(200, orjson.dumps({"object": "list", "data": [
-                        {"id": fake.model, "max_model_len": fake.max_model_len}]}))
-                else:
-                    self._send(404, b'{"detail":"Not Found"}')
+                self._answer("GET")
 
             def do_POST(self):
-                body = orjson.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
-                if self._failing():
-                    return
-                route, _, query = self.path.partition("?")
-                if route in ("/sleep", "/wake_up"):
-                    if not fake.dev_mode:
-                        return self._send(404, b'{"detail":"Not Found"}')
-                    fake.control.append(self.path)
-                    tags = [t.partition("=")[2] for t in query.split("&") if t.startswith("tags=")]
-                    if route == "/sleep":
-                        fake.sleeping = {"weights", "kv_cache"}
-                        if "level=2" in query:
-                            fake.weights = None     # discarded: only a reload brings them back
-                    else:
-                        fake.sleeping -= set(tags or ("weights", "kv_cache"))
-                    return self._send(200, b"{}")
-                if self.path in ("/collective_rpc", "/reset_prefix_cache", "/update_weight_version"):
-                    if not fake.dev_mode:
-                        return self._send(404, b'{"detail":"Not Found"}')
-                    fake.control.append(self.path)
-                    if "weights" in fake.sleeping:
-                        return self._send(500, b'{"detail":"the weights sleep"}')
-                    if self.path == "/update_weight_version":
-                        fake.weight_version = body.get("new_version")
-                    if self.path == "/collective_rpc":
-                        t0 = time.monotonic()
-                        fake.reloading = True
-                        time.sleep(fake.reload_delay)
-                        fake.weights = body["kwargs"]["weights_path"]
-                        fake.reloading = False
-                        fake.reloads.append((t0, time.monotonic(), fake.weights))
-                    return self._send(200, b'{"results": [null]}')
-                if self.path == "/tokenize":
-                    fake.tokenized.append(body)
-                    n = fake.prompt_tokens(body.get("messages") or [])
-                    tokens = [] if fake.mode == "scripted" else list(range(n))
-                    return self._send(200, orjson.dumps({"count": n, "max_model_len": fake.max_model_len,
-                                                         "tokens": tokens}))
-                fake.bodies.append(body)
-                if fake.sleeping or fake.weights is None:
-                    fake.served_asleep += 1
-                    return self._send(500, b'{"error":{"message":"asleep","type":"InternalServerError"}}')
-                t0, weights = time.monotonic(), fake.weights
-                time.sleep(fake.delay)
-                if self._failing():     # the outage began while it generated: lost with it
-                    return
-                with fake.lock:
-                    fake.served.append((t0, time.monotonic(), weights, fake.weights))
-                self._send(*fake._completion(body, weights))
+                self._answer("POST")
 
         return Handler
 
@@ -287,6 +343,8 @@ class FakeVLLM:
 
     def up(self) -> "FakeVLLM":
         """Serves (again, on the same port after down())."""
+        if self.port is None:
+            raise RuntimeError("made with listen=False: its transport is the caller's")
         if self._httpd is None:
             self._bind(self.port)
         if not self._serving:

@@ -3,7 +3,7 @@ polar_addon.py` runs (launch.start_proxy's options and modes, mitmdump's flow lo
 termlog into the same log file), without starting a process and importing everything again
 for each test. Harnesses and SDKs reach it over real sockets, so what they see is what a
 mitmdump would answer. Tests of the launcher, of TLS and of the process itself (signals,
-kill -9, file modes) use conftest's Proxy (a real mitmdump)."""
+kill -9, file modes) use mitmdump_proxy.Proxy (a real mitmdump)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class ProxyLayout:
 
 
 class InProcessProxy(ProxyLayout):
-    """conftest.Proxy's interface (ProxyLayout's, pid and stop), served from a thread of this
+    """mitmdump_proxy.Proxy's interface (ProxyLayout's, pid and stop), served from a thread of this
     process."""
 
     def __init__(self, root: Path, backend: str, extra_sets=None, db_name="calls.duckdb"):

@@ -4,14 +4,13 @@ scripts: normalized request -> normalized result."""
 
 from __future__ import annotations
 
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
 import orjson
 
 from polar_mitm.adapters import AdapterError, adapter, detect, stream_content_type
 from polar_mitm.adapters.chat import stable_id
+from support.http_stub import Reply, Request, StubServer
 
 
 def make_result(text: str = "", tool_calls: list[dict] | None = None, *, reasoning=None,
@@ -27,69 +26,49 @@ def make_result(text: str = "", tool_calls: list[dict] | None = None, *, reasoni
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}}
 
 
-class ProviderServer:
+ANSWER = "It printed hi."
+
+
+def tool_then_text(tool_call: Callable[[dict], dict], reasoning: tuple[str, str] | None = None
+                   ) -> Callable[[dict], dict]:
+    """A model for the SDK round trips: it calls a tool (tool_call(request): make_result's
+    tool call) until a tool result is in the history, then answers ANSWER; reasoning: what it
+    thinks before the call and before the answer."""
+    def respond(req: dict) -> dict:
+        seed = len(req["messages"])
+        if req["tools"] and not any(m["role"] == "tool" for m in req["messages"]):
+            return make_result(tool_calls=[tool_call(req)], reasoning=reasoning and reasoning[0], seed=seed)
+        return make_result(ANSWER, reasoning=reasoning and reasoning[1], seed=seed)
+    return respond
+
+
+class ProviderServer(StubServer):
     def __init__(self, responder: Callable[[dict], dict] | None = None):
         self.responder = responder or (lambda req: make_result("Hello from the proxy."))
         self.requests: list[dict] = []      # normalized requests, in arrival order
         self.raw: list[dict] = []           # {"path", "headers", "body"} as received
-        server = self
+        super().__init__(self._answer)
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            disable_nagle_algorithm = True  # headers and body go out as separate writes
-
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                length = int(self.headers.get("content-length") or 0)
-                raw = self.rfile.read(length)
-                server._handle(self, raw)
-
-            def do_GET(self):
-                self._send(404, b'{"error": "not found"}', "application/json")
-
-            def _send(self, status, body: bytes, ctype: str):
-                self.send_response(status)
-                self.send_header("content-type", ctype)
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self._httpd.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
-
-    def _handle(self, h, raw: bytes):
+    def _answer(self, request: Request) -> Reply:
+        if request.method != "POST":
+            return Reply(404, b'{"error": "not found"}')
         try:
-            body = orjson.loads(raw)
+            body = orjson.loads(request.body)
         except orjson.JSONDecodeError:
             body = None
-        style = detect("POST", h.path, dict(h.headers), body)
-        self.raw.append({"path": h.path, "headers": dict(h.headers), "body": body})
+        style = detect("POST", request.path, request.headers, body)
+        self.raw.append({"path": request.path, "headers": request.headers, "body": body})
         if style is None:
-            h._send(404, b'{"error": "unknown path"}', "application/json")
-            return
+            return Reply(404, b'{"error": "unknown path"}')
         mod = adapter(style)
         try:
             if not isinstance(body, dict):
                 raise AdapterError("request body must be a JSON object")
-            req = mod.to_chat(body, h.path)
+            req = mod.to_chat(body, request.path)
         except AdapterError as e:
-            h._send(e.status, orjson.dumps(mod.error(e.status, str(e), e.kind)), "application/json")
-            return
+            return Reply(e.status, orjson.dumps(mod.error(e.status, str(e), e.kind)))
         self.requests.append(req)
         result = self.responder(req)
         if req["stream"]:
-            h._send(200, b"".join(mod.stream(result, req)), stream_content_type(req))
-        else:
-            h._send(200, orjson.dumps(mod.from_chat(result, req)), "application/json")
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._httpd.shutdown()
-        self._httpd.server_close()
+            return Reply(200, b"".join(mod.stream(result, req)), stream_content_type(req))
+        return Reply(200, orjson.dumps(mod.from_chat(result, req)))

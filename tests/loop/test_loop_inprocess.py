@@ -1,0 +1,85 @@
+"""The loop in this process, against stand-ins (a dev-mode vLLM stand-in, the fake harness, a
+tiny random model): its steps run in order, its row is built once from their typed parts,
+and the sync figures the gateway reports reach the loop's columns through one shared type.
+A finished run starts nothing, and loads neither torch nor the model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import typing
+from dataclasses import fields
+
+from support.fake_vllm import FakeVLLM
+from support.grpo_data import tiny_model_dir
+from support.loop_run import fake_tasks
+from polar_mitm.addons.sync_report import SwapSeconds, SwapStep, SyncReport, slowest
+from polar_mitm.grpo.config import TrainConfig
+from polar_mitm.loop.options import LoopOptions
+from polar_mitm.loop.run import run_loop
+from polar_mitm.loop.state import LoopState
+from polar_mitm.store.loop import ITERATION_COLUMNS
+
+
+def test_two_iterations_in_process_fill_every_column_from_the_steps(tmp_path):
+    model = str(tiny_model_dir(tmp_path / "model"))
+    out = tmp_path / "run"
+    said: list[str] = []
+    with FakeVLLM(delay=0.01) as fake:
+        opts = LoopOptions(tasks_file=str(fake_tasks(tmp_path, "ok 2")), iterations=2, out=out, harness="command",
+                           samples=2, backend=fake.url, model=model, workers=2, max_tokens=8)
+        rows = run_loop(opts, TrainConfig(lr=1e-3, token_budget=256), echo=said.append)
+        state = LoopState.load(out)
+        assert state is not None and (state.completed, state.version) == (2, 2)
+        assert fake.weights == state.checkpoint == str(out / "checkpoints" / "v2")
+    assert [(r["iteration"], r["policy_version"]) for r in rows] == [(0, 0), (1, 1)]
+    # the row is whole: what the steps measured, each in its column (the sync's through SyncReport)
+    filled = {"checkpoint", "reward_mean", "reward_std", "reward_n", "sessions_done", "calls",
+              "tokens", "stale_dropped", "loss", "clip_frac", "logprob_abs_diff", "rollout_s", "train_s", "sync_s",
+              "sync_drain_s", "sync_reload_s", "sync_reset_s", "journal_saves", "per_task", "released_why"}
+    for r in rows:
+        assert set(r) >= set(ITERATION_COLUMNS)
+        assert not [c for c in filled if r[c] is None], r
+        assert r["sync_wake_s"] is None and r["sleep_s"] is None       # not colocated: no sleep, no wake
+        assert r["eval_reward_mean"] is None                           # no held-out tasks
+        assert r["calls"] > 0 and r["sessions_done"] == 4 and json.loads(r["per_task"]).keys() == {"a", "b"}
+    assert [line for line in said if line.startswith("iteration ") and "(policy v" in line][-1].startswith(
+        "iteration 2 (policy v1): reward")
+    assert any(line.startswith("synced policy v2: drained ") for line in said)
+    assert any(line.startswith("iter ver  reward") for line in said)   # the table
+
+    # a rerun of the finished loop: nothing starts, and neither torch nor the model is loaded
+    probe = (
+        "import sys\n"
+        "from polar_mitm.cli.train import main\n"
+        "try:\n"
+        f"    main(['loop', '--tasks', {opts.tasks_file!r}, '--iterations', '2', '--out', {str(out)!r},\n"
+        f"          '--backend', 'http://127.0.0.1:9', '--model', {model!r}], standalone_mode=False)\n"
+        "finally:\n"
+        "    print('loaded:', sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))\n")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "2 iterations done already (--iterations 2); nothing to run" in r.stdout
+    assert "loaded: []" in r.stdout, r.stdout
+
+
+def test_the_gateways_sync_report_reaches_the_loop_through_one_type():
+    # every swap step the gateway times has its own figure
+    assert {f"{s}_s" for s in typing.get_args(SwapStep)} == {f.name for f in fields(SwapSeconds)}
+    steps = SwapSeconds()
+    steps.add("reload", 0.5)
+    steps.add("reset", 0.25)
+    steps.add("reset", 0.25)
+    fast = SyncReport(3, "/ckpt/v3", held=1, drained=2, drain_s=0.1, swap_s=1.0, total_s=1.1, steps=steps)
+    slow = SyncReport(3, "/ckpt/v3", held=0, drained=5, drain_s=0.4, swap_s=2.0, total_s=2.4,
+                      steps=SwapSeconds(reload_s=1.5, reset_s=0.1))
+    # as the loop gets them: each node's JSON, or a word where it served the target already
+    read = [SyncReport.from_json(json.loads(json.dumps(r.as_json()))) for r in (fast, slow)]
+    assert read == [fast, slow]
+    assert SyncReport.from_json("already served") is None
+    figures = slowest([*read, None])
+    assert (figures.drain_s, figures.drained, figures.held) == (0.4, 5, 1)
+    assert (figures.reload_s, figures.reset_s, figures.wake_s) == (1.5, 0.5, None)   # the slowest node's each
+    asleep = SyncReport.from_json(SyncReport(3, None, 0, 1, 0.2, 0.3, 0.5).as_json())   # a sleep: no steps
+    assert slowest([asleep]).drain_s == 0.2 and slowest([asleep]).reload_s is None

@@ -151,36 +151,85 @@ def parse_task(data: Any, *, harness: str | None = None, samples: int | None = N
                stored: bool = False) -> TaskRequest:
     """A TaskRequest from JSON-shaped data; harness/samples fill in what a task leaves out.
     stored: a spec read back from a database (task_from_json), which may predate the checks
-    for an empty command or evaluator: it is read as it was accepted then."""
+    for an empty command or evaluator: it is read as it was accepted then.
+    The fields are checked in a fixed order, so a task with several mistakes always reports
+    the same one first."""
+    d = _task_fields(data, harness, samples)
+    task_id, instruction = _task_id_and_instruction(d)
+    h, command = _harness_and_command(d, task_id, stored)
+    n = _num_samples(d.get("num_samples", 1), task_id)
+    timeout = _seconds(d.get("timeout", 600.0), "timeout", task_id)
+    workspace = _workspace(d.get("workspace") or {}, task_id)
+    evaluator = _evaluator(d.get("evaluator"), task_id, stored)
+    early = _early_stop(d.get("early_stop"), n, task_id)
+    priority = _priority(d.get("priority", 0), task_id)
+    url = _callback_url(d.get("callback_url"), task_id)
+    meta = _metadata(d.get("metadata") or {}, task_id)
+    on_failure = _one_of(d.get("on_failure", "zero"), ON_FAILURE, "on_failure", task_id)
+    covers = _one_of(d.get("reward_covers", "all"), REWARD_COVERS, "reward_covers", task_id)
+    runtime = _runtime(d["runtime"], task_id) if d.get("runtime") is not None else None
+    # the tests are run in a fresh copy of the task's repository, so there has to be one
+    if isinstance(evaluator, TestsEvaluator) and not (runtime or workspace.path or workspace.git):
+        raise TaskError(f"{task_id}: the tests evaluator needs the task's repository: a workspace, or a runtime "
+                        "image that holds it")
+    fraction = _fraction(d.get("min_complete_fraction", 0.0), task_id)
+    servers, skills = _tools(d, h, task_id)
+    judge = _judge(d.get("judge"), task_id)
+    return TaskRequest(task_id=task_id, instruction=instruction, harness=h,
+                       workspace=workspace, num_samples=n, timeout=timeout,
+                       evaluator=evaluator, priority=priority, callback_url=url, metadata=meta,
+                       early_stop=early, command=command, on_failure=on_failure,
+                       reward_covers=covers, runtime=runtime, min_complete_fraction=float(fraction),
+                       mcp_servers=servers, skills=skills, judge=judge)
+
+
+def _task_fields(data: Any, harness: str | None, samples: int | None) -> dict:
+    """The task's fields, none unknown, with the caller's harness/samples where it has none."""
     if not isinstance(data, dict):
         raise TaskError("a task must be a JSON object")
     known = {f.name for f in dataclasses.fields(TaskRequest)}
     unknown = sorted(set(data) - known)
     if unknown:
         raise TaskError(f"unknown task field(s): {', '.join(unknown)}")
-    d = dict(data)
+    d = dict(data)      # a copy: the caller's data is left as it was
     if harness and "harness" not in d:
         d["harness"] = harness
     if samples and "num_samples" not in d:
         d["num_samples"] = samples
+    return d
+
+
+def _task_id_and_instruction(d: dict) -> tuple[str, str]:
     task_id, instruction = d.get("task_id"), d.get("instruction")
     if not isinstance(task_id, str) or not session_ids.valid_task_id(task_id):
         raise TaskError(f"task_id must be {session_ids.TASK_ID_RULE}")
     if not isinstance(instruction, str) or not instruction.strip():
         raise TaskError(f"{task_id}: instruction must be a non-empty string")
+    return task_id, instruction
+
+
+def _harness_and_command(d: dict, task_id: str, stored: bool) -> tuple[str, str | None]:
+    """The harness, and the shell line the command harness runs (None for the others)."""
     h = d.get("harness", DEFAULT_HARNESS)
     if h not in HARNESSES:
         raise TaskError(f"{task_id}: harness must be one of {', '.join(HARNESSES)}, not {h!r}")
     if h == "command" and not isinstance(d.get("command"), str):
         raise TaskError(f"{task_id}: the command harness needs a 'command' (a shell line)")
     command = d.get("command")
+    # a stored spec may predate the empty-command check: it is read as it was accepted
     if command is not None and not stored and (not isinstance(command, str) or not command.strip()):
         raise TaskError(f"{task_id}: command must be a non-empty shell line, not {command!r}")
-    n = d.get("num_samples", 1)
+    return h, command
+
+
+def _num_samples(n: Any, task_id: str) -> int:
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1024:
         raise TaskError(f"{task_id}: num_samples must be an integer from 1 to 1024")
-    timeout = _seconds(d.get("timeout", 600.0), "timeout", task_id)
-    ws = d.get("workspace") or {}
+    return n
+
+
+def _workspace(ws: Any, task_id: str) -> Workspace:
+    """A path (a directory copied per session), or a git repo and, optionally, its commit."""
     if isinstance(ws, str):
         ws = {"path": ws}
     if not isinstance(ws, dict) or set(ws) - {"path", "git", "commit"}:
@@ -189,65 +238,88 @@ def parse_task(data: Any, *, harness: str | None = None, samples: int | None = N
         raise TaskError(f"{task_id}: workspace takes a path or a git repo, not both")
     if ws.get("commit") and not ws.get("git"):
         raise TaskError(f"{task_id}: workspace.commit needs workspace.git")
-    ev = d.get("evaluator")
+    return Workspace(**ws)
+
+
+def _evaluator(ev: Any, task_id: str, stored: bool) -> Evaluator | TestsEvaluator | None:
+    """A shell line (or {command, timeout}), or the tests evaluator ({kind: tests, ...})."""
     if isinstance(ev, str):
         ev = {"command": ev}
     if isinstance(ev, dict) and ev.get("kind") == "tests":
-        ev = _tests_evaluator(ev, task_id)
-    elif ev is not None:
-        if not isinstance(ev, dict) or not isinstance(ev.get("command"), str) or set(ev) - {"command", "timeout"}:
-            raise TaskError(f"{task_id}: evaluator must be a shell line, or an object with command and timeout")
-        if not ev["command"].strip() and not stored:   # "" would exit 0: every session scored 1.0
-            raise TaskError(f"{task_id}: evaluator must be a non-empty shell line, not {ev['command']!r} "
-                            "(a task without an evaluator gives no reward)")
-        ev = Evaluator(command=ev["command"], timeout=_seconds(ev.get("timeout", 120.0), "evaluator.timeout", task_id))
-    early = d.get("early_stop")
+        return _tests_evaluator(ev, task_id)
+    if ev is None:
+        return None
+    if not isinstance(ev, dict) or not isinstance(ev.get("command"), str) or set(ev) - {"command", "timeout"}:
+        raise TaskError(f"{task_id}: evaluator must be a shell line, or an object with command and timeout")
+    if not ev["command"].strip() and not stored:   # "" would exit 0: every session scored 1.0
+        raise TaskError(f"{task_id}: evaluator must be a non-empty shell line, not {ev['command']!r} "
+                        "(a task without an evaluator gives no reward)")
+    return Evaluator(command=ev["command"],
+                     timeout=_seconds(ev.get("timeout", 120.0), "evaluator.timeout", task_id))
+
+
+def _early_stop(early: Any, n: int, task_id: str) -> int | None:
     if early is not None and (not isinstance(early, int) or not 1 <= early <= n):
         raise TaskError(f"{task_id}: early_stop must be an integer from 1 to num_samples")
-    priority = d.get("priority", 0)
+    return early
+
+
+def _priority(priority: Any, task_id: str) -> int:
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise TaskError(f"{task_id}: priority must be an integer")
-    url = d.get("callback_url")
+    return priority
+
+
+def _callback_url(url: Any, task_id: str) -> str | None:
     if url is not None and (not isinstance(url, str) or not url.startswith(("http://", "https://"))):
         raise TaskError(f"{task_id}: callback_url must be an http(s) URL")
-    meta = d.get("metadata") or {}
+    return url
+
+
+def _metadata(meta: Any, task_id: str) -> dict:
     if not isinstance(meta, dict):
         raise TaskError(f"{task_id}: metadata must be an object")
-    on_failure = d.get("on_failure", "zero")
-    if on_failure not in ON_FAILURE:
-        raise TaskError(f"{task_id}: on_failure must be one of {', '.join(ON_FAILURE)}, not {on_failure!r}")
-    covers = d.get("reward_covers", "all")
-    if covers not in REWARD_COVERS:
-        raise TaskError(f"{task_id}: reward_covers must be one of {', '.join(REWARD_COVERS)}, not {covers!r}")
-    runtime = _runtime(d["runtime"], task_id) if d.get("runtime") is not None else None
-    if isinstance(ev, TestsEvaluator) and not (runtime or ws.get("path") or ws.get("git")):
-        raise TaskError(f"{task_id}: the tests evaluator needs the task's repository: a workspace, or a runtime "
-                        "image that holds it")
-    fraction = d.get("min_complete_fraction", 0.0)
+    return meta
+
+
+def _one_of(value: Any, choices: tuple[str, ...], what: str, task_id: str) -> str:
+    if value not in choices:
+        raise TaskError(f"{task_id}: {what} must be one of {', '.join(choices)}, not {value!r}")
+    return value
+
+
+def _fraction(fraction: Any, task_id: str) -> int | float:
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
         raise TaskError(f"{task_id}: min_complete_fraction must be a number from 0 to 1, not {fraction!r}")
+    return fraction
+
+
+def _tools(d: dict, harness: str, task_id: str) -> tuple[dict, dict]:
+    """The task's MCP servers and skills, each as its JSON; only a harness whose CLI has a
+    config for them takes them."""
     try:
         servers = mcp.servers_json(mcp.parse_mcp_servers(d.get("mcp_servers") or None))
         skills = mcp.skills_json(mcp.parse_skills(d.get("skills") or None))
     except ValueError as e:
         raise TaskError(f"{task_id}: {e}") from None
-    if servers and h not in mcp.MCP_FILES:
-        raise TaskError(f"{task_id}: the {h} harness takes no MCP servers (these do: {', '.join(sorted(mcp.MCP_FILES))})")
-    if skills and h not in mcp.SKILL_DIRS:
-        raise TaskError(f"{task_id}: the {h} harness takes no skills (these do: {', '.join(sorted(mcp.SKILL_DIRS))})")
-    judge = d.get("judge")
-    if judge is not None:
-        try:
-            parse_judge(judge)
-        except ValueError as e:
-            raise TaskError(f"{task_id}: {e}") from None
-        judge = {"rubric": judge} if isinstance(judge, str) else dict(judge)
-    return TaskRequest(task_id=task_id, instruction=instruction, harness=h,
-                       workspace=Workspace(**ws), num_samples=n, timeout=timeout,
-                       evaluator=ev, priority=priority, callback_url=url, metadata=meta,
-                       early_stop=early, command=command, on_failure=on_failure,
-                       reward_covers=covers, runtime=runtime, min_complete_fraction=float(fraction),
-                       mcp_servers=servers, skills=skills, judge=judge)
+    if servers and harness not in mcp.MCP_FILES:
+        raise TaskError(f"{task_id}: the {harness} harness takes no MCP servers "
+                        f"(these do: {', '.join(sorted(mcp.MCP_FILES))})")
+    if skills and harness not in mcp.SKILL_DIRS:
+        raise TaskError(f"{task_id}: the {harness} harness takes no skills "
+                        f"(these do: {', '.join(sorted(mcp.SKILL_DIRS))})")
+    return servers, skills
+
+
+def _judge(judge: Any, task_id: str) -> dict | None:
+    """The judge as given (checked by judge.parse_judge), a bare rubric as {rubric}."""
+    if judge is None:
+        return None
+    try:
+        parse_judge(judge)
+    except ValueError as e:
+        raise TaskError(f"{task_id}: {e}") from None
+    return {"rubric": judge} if isinstance(judge, str) else dict(judge)
 
 
 def _strings(value, what: str, task_id: str) -> tuple[str, ...]:

@@ -13,7 +13,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Collection, Iterable, Mapping
+from typing import Any, Collection, Iterable, Iterator, Mapping, NamedTuple
 
 import orjson
 
@@ -106,6 +106,48 @@ ORDER BY c.session_id, c.seq
 """
 
 
+class _Row(NamedTuple):
+    """One row of _SQL, in its column order."""
+    session_id: str
+    task_id: str | None
+    seq: int
+    call_id: str
+    base: str | None
+    shared: int | None
+    suffix: bytes | str | None
+    tokens: list[int] | None
+    logprobs: list[float] | None
+    finish: str | None
+    version: str | int | None
+    reward: float | None
+    backend_params: bytes | str | None
+    model: str | None
+    failed: str | None   # 'failed', 'abandoned' (the harness gave up on the call), or None
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """The caller's choices that decide, call by call, what is trained."""
+    temperature: float | None
+    reward_covers: str | Mapping[str, str]
+    require_reward: bool
+
+    def covers(self, task_id: str | None) -> str:
+        if isinstance(self.reward_covers, str):
+            return self.reward_covers
+        return self.reward_covers.get(task_id or "", "all")
+
+
+@dataclass
+class _Stored:
+    """What every file read holds: its rows, and the rewards seen in any of them."""
+    files: list[tuple[Path, list[_Row]]] = field(default_factory=list)
+    # session -> the first file's reward (in the order given)
+    rewards: dict[str, float] = field(default_factory=dict)
+    # rewarded session -> its GRPO group (its task, or itself)
+    groups: dict[str, str] = field(default_factory=dict)
+
+
 def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None = None,
                    sessions: list[str] | None = None, require_reward: bool = True,
                    temperature: float | None = 1.0, reward_covers: str | Mapping[str, str] = "all",
@@ -117,6 +159,24 @@ def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None 
     are skipped and counted by reason (None: temperature not checked). reward_covers: "all",
     or "main" (only the calls of each session's main loop, the model it called most), for
     every task or per task ({task_id: "all" | "main"}, "all" for a task not named)."""
+    stored = _read_stored(dbs, *_selection(tasks, sessions), timeout)
+    rule = _Rule(temperature, reward_covers, require_reward)
+    out = TrainingData(calls=[])
+    unrewarded: set[str] = set()
+    kept_sessions: set[str] = set()
+    while stored.files:   # each file's rows are let go once read
+        path, rows = stored.files.pop(0)
+        _keep_trainable(path, rows, rule, stored.rewards, out, unrewarded, kept_sessions)
+    kept_sessions -= _drop_superseded(out, kept_sessions)
+    out.sessions = len(kept_sessions)
+    out.sessions_without_reward = len(unrewarded)
+    out.calls.sort(key=lambda c: (c.group, c.session_id, c.seq))
+    out.rewards = _group_rewards(out.calls, stored, sessions)
+    return out
+
+
+def _selection(tasks: list[str] | None, sessions: list[str] | None) -> tuple[str, list[str]]:
+    """_SQL for the chosen tasks and sessions (all when neither), and its parameters."""
     where: list[str] = ["TRUE"]
     params: list[str] = []
     if tasks:
@@ -125,87 +185,109 @@ def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None 
     if sessions:
         where.append(f"c.session_id IN ({', '.join('?' * len(sessions))})")
         params += list(sessions)
-    sql = _SQL.format(where=" AND ".join(where))
-    out = TrainingData(calls=[])
-    unrewarded: set[str] = set()
-    kept_sessions: set[str] = set()
-    files: list[tuple[Path, list[tuple[Any, ...]]]] = []
-    rewards: dict[str, float] = {}   # session -> the first file's reward (in the order given)
-    groups: dict[str, str] = {}   # rewarded session -> its GRPO group (its task, or itself)
+    return _SQL.format(where=" AND ".join(where)), params
+
+
+def _read_stored(dbs: Iterable[str | os.PathLike], sql: str, params: list[str], timeout: float) -> _Stored:
+    """Every file's selected rows and rewarded sessions, all read before any call is judged:
+    a session's reward may be in a file given after its calls' own."""
+    stored = _Stored()
     for db in dbs:
         path = Path(db)
         if not path.exists():
             raise FileNotFoundError(f"no database at {path}")
         with reading(path, timeout) as con:
-            files.append((path, con.execute(sql, params).fetchall()))
+            stored.files.append((path, [_Row(*row) for row in con.execute(sql, params).fetchall()]))
             for session_id, task_id, reward in con.execute(
                     "SELECT session_id, task_id, reward FROM sessions WHERE reward IS NOT NULL").fetchall():
-                rewards.setdefault(session_id, reward)
-                groups.setdefault(session_id, task_id or session_id)
-    while files:   # each file's rows are let go once read
-        path, rows = files.pop(0)
-        main_model = _main_models(rows)
-        ids: dict[str, tuple[list[int] | None, list[int]]] = {}   # call_id -> (prompt, tokens)
-        current = None
-        for (session_id, task_id, seq, call_id, base, shared, suffix, tokens, logprobs, finish,
-             version, reward, backend_params, model, failed) in rows:
-            if current != session_id:   # bases are always earlier calls of the same session
-                ids, current = {}, session_id
-            prompt = None
-            if suffix is not None:
-                prompt = apply_prompt(ids, base, shared, orjson.loads(suffix))
-                if prompt is None:   # its base is not in the file
-                    out.skipped["missing_base"] += 1
-                    continue
-            ids[call_id] = (prompt, tokens or [])
-            if failed:   # 'failed', or 'abandoned' (the harness gave up on the call)
-                out.skipped[failed] += 1
+                stored.rewards.setdefault(session_id, reward)
+                stored.groups.setdefault(session_id, task_id or session_id)
+    return stored
+
+
+def _keep_trainable(path: Path, rows: list[_Row], rule: _Rule, rewards: Mapping[str, float],
+                    out: TrainingData, unrewarded: set[str], kept_sessions: set[str]) -> None:
+    """Add one file's trainable calls to out.calls, counting each skipped one by its reason
+    in out.skipped; sessions with a call kept go to kept_sessions, those skipped for want
+    of a reward to unrewarded."""
+    main_model = _main_models(rows)
+    for row, prompt in _with_prompts(rows, out.skipped):
+        reason = _untrainable(row, prompt, rule.temperature)
+        if reason:
+            out.skipped[reason] += 1
+            continue
+        # counted before the reward_covers and reward checks: every sampled call of either kind
+        auxiliary = row.model != main_model[row.session_id]
+        out.call_kinds["auxiliary" if auxiliary else "main"] += 1
+        if auxiliary and rule.covers(row.task_id) == "main":
+            out.skipped["auxiliary_call"] += 1
+            continue
+        reward = row.reward if row.reward is not None else rewards.get(row.session_id)
+        if reward is None and rule.require_reward:
+            out.skipped["no_reward"] += 1
+            unrewarded.add(row.session_id)
+            continue
+        kept_sessions.add(row.session_id)
+        assert prompt is not None and row.tokens is not None and row.logprobs is not None   # _untrainable's
+        out.calls.append(Call(
+            session_id=row.session_id, group=row.task_id or row.session_id, seq=row.seq,
+            prompt=list(prompt), tokens=list(row.tokens), logprobs=[float(x) for x in row.logprobs],
+            finish_reason=row.finish, policy_version=policy_version_of(row.version), reward=reward,
+            db=str(path)))
+
+
+def _with_prompts(rows: list[_Row], skipped: Counter[str]) -> Iterator[tuple[_Row, list[int] | None]]:
+    """Each row with its prompt ids rebuilt from their delta (None: none stored); a row whose
+    base is not in the file is counted as missing_base in skipped instead. Every rebuilt call,
+    failed ones too, stays known as a base for the later calls of its session."""
+    ids: dict[str, tuple[list[int] | None, list[int]]] = {}   # call_id -> (prompt, tokens)
+    current = None
+    for row in rows:
+        if current != row.session_id:   # bases are always earlier calls of the same session
+            ids, current = {}, row.session_id
+        prompt = None
+        if row.suffix is not None:
+            prompt = apply_prompt(ids, row.base, row.shared, orjson.loads(row.suffix))
+            if prompt is None:
+                skipped["missing_base"] += 1
                 continue
-            if not prompt or not tokens:
-                out.skipped["no_token_ids"] += 1
-                continue
-            if logprobs is None or len(logprobs) != len(tokens):
-                out.skipped["logprobs_mismatch"] += 1
-                continue
-            version = policy_version_of(version)
-            if version == UNKNOWN_VERSION:
-                out.skipped[UNKNOWN_VERSION_REASON] += 1
-                continue
-            excluded = sampling_exclusion(orjson.loads(backend_params) if backend_params else None, temperature)
-            if excluded:
-                out.skipped[excluded] += 1
-                continue
-            auxiliary = model != main_model[session_id]
-            out.call_kinds["auxiliary" if auxiliary else "main"] += 1
-            covers = reward_covers if isinstance(reward_covers, str) else reward_covers.get(task_id or "", "all")
-            if auxiliary and covers == "main":
-                out.skipped["auxiliary_call"] += 1
-                continue
-            if reward is None:
-                reward = rewards.get(session_id)
-            if reward is None and require_reward:
-                out.skipped["no_reward"] += 1
-                unrewarded.add(session_id)
-                continue
-            kept_sessions.add(session_id)
-            out.calls.append(Call(
-                session_id=session_id, group=task_id or session_id, seq=seq, prompt=list(prompt),
-                tokens=list(tokens), logprobs=[float(x) for x in logprobs], finish_reason=finish,
-                policy_version=version, reward=reward, db=str(path)))
-    # one session per sample: the calls of an attempt a retry superseded are left out
+        ids[row.call_id] = (prompt, row.tokens or [])
+        yield row, prompt
+
+
+def _untrainable(row: _Row, prompt: list[int] | None, temperature: float | None) -> str | None:
+    """Why this call's tokens cannot be trained on, by the first reason that applies, or None."""
+    if row.failed:
+        return row.failed
+    if not prompt or not row.tokens:
+        return "no_token_ids"
+    if row.logprobs is None or len(row.logprobs) != len(row.tokens):
+        return "logprobs_mismatch"
+    if policy_version_of(row.version) == UNKNOWN_VERSION:
+        return UNKNOWN_VERSION_REASON
+    return sampling_exclusion(orjson.loads(row.backend_params) if row.backend_params else None, temperature)
+
+
+def _drop_superseded(out: TrainingData, kept_sessions: set[str]) -> set[str]:
+    """One session per sample: the calls of an attempt a retry superseded are left out of
+    out.calls (counted as superseded_attempt); returns those sessions."""
     superseded = kept_sessions - latest_attempts(kept_sessions)
     if superseded:
         out.skipped["superseded_attempt"] += sum(c.session_id in superseded for c in out.calls)
         out.calls = [c for c in out.calls if c.session_id not in superseded]
-        kept_sessions -= superseded
-    out.sessions = len(kept_sessions)
-    out.sessions_without_reward = len(unrewarded)
-    out.calls.sort(key=lambda c: (c.group, c.session_id, c.seq))
-    read = {c.group for c in out.calls}
-    chosen = [sid for sid in rewards if groups[sid] in read and (not sessions or sid in sessions)]
+    return superseded
+
+
+def _group_rewards(calls: list[Call], stored: _Stored,
+                   sessions: list[str] | None) -> dict[str, SessionReward]:
+    """The rewarded sessions (each sample's latest attempt) of every group with a kept call,
+    those with no trainable call included, for the trainer's group baselines."""
+    read = {c.group for c in calls}
+    chosen = [sid for sid in stored.rewards
+              if stored.groups[sid] in read and (not sessions or sid in sessions)]
     final = latest_attempts(chosen)
-    out.rewards = {sid: SessionReward(groups[sid], float(rewards[sid])) for sid in chosen if sid in final}
-    return out
+    return {sid: SessionReward(stored.groups[sid], float(stored.rewards[sid]))
+            for sid in chosen if sid in final}
 
 
 def latest_attempts(session_ids: Collection[str]) -> set[str]:
@@ -219,12 +301,12 @@ def latest_attempts(session_ids: Collection[str]) -> set[str]:
     return {sid for sid in session_ids if attempt_of(sid)[1] == latest[attempt_of(sid)[0]]}
 
 
-def _main_models(rows) -> dict[str, str | None]:
+def _main_models(rows: Iterable[_Row]) -> dict[str, str | None]:
     """Per session, the model its calls asked for most (the first such on a tie): its main
     loop. A harness's router or title calls ask a smaller model."""
-    counts: dict[str, Counter] = {}
+    counts: dict[str, Counter[str | None]] = {}
     for row in rows:
-        counts.setdefault(row[0], Counter())[row[-2]] += 1   # session_id, requested_model
+        counts.setdefault(row.session_id, Counter())[row.model] += 1
     return {sid: c.most_common(1)[0][0] for sid, c in counts.items()}
 
 

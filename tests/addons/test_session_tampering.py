@@ -21,13 +21,13 @@ import pytest
 
 from support.fake_vllm import FakeVLLM
 from polar_mitm import session_auth
-from polar_mitm.stack import launch
 from polar_mitm.addons import sessions
-from polar_mitm.rollout import GatewayNode, NodeConfig, RolloutServer
 from polar_mitm.rollout import bwrap as bw
 from polar_mitm.rollout.runtime import LocalRuntime
 from polar_mitm.store import query
 from support import SUPPORT
+from support.mitmdump_proxy import Proxy
+from support.rollouts import Rollouts
 
 HERE = SUPPORT   # the helper scripts the sessions run
 FAKE = f"{sys.executable} {HERE / 'fake_harness.py'}"
@@ -35,49 +35,32 @@ FAKE = f"{sys.executable} {HERE / 'fake_harness.py'}"
 needs_bwrap = pytest.mark.skipif(bw.probe()[0] is None, reason=f"no bwrap sandbox here: {bw.probe()[1]}")
 
 
-class NodeStack:
-    """mitmdump (its control token handed over in a file, session credentials checked), a
-    rollout server and a node, as Stack.start_node makes them."""
-
-    def __init__(self, tmp_path: Path, backend: str, sandbox: str):
-        self.token = secrets.token_hex(16)
-        self.confdir = tmp_path / "mitmproxy"
-        self.db = str(tmp_path / "calls.duckdb")
-        self.port = launch.free_port()
-        self.proxy = launch.start_proxy(db=self.db, backend=backend, port=self.port, confdir=self.confdir,
-                                        log_path=tmp_path / "mitmdump.log", control_token=self.token,
-                                        extra_sets=["polar_session_auth=on", "polar_version_check=0"])
-        self.server = RolloutServer(self.db).start()
-        self.node = GatewayNode(NodeConfig(
-            server_url=self.server.url, proxy_port=self.port, ca_path=str(self.confdir / "mitmproxy-ca-cert.pem"),
-            db=self.db, init_workers=2, run_workers=2, heartbeat_s=0.1, control_token=self.token),
-            runtime=LocalRuntime(tmp_path / "sessions", sandbox=sandbox, expose=[HERE])).start()
-
-    def health(self) -> dict:
-        return httpx.get("http://polar.health/_polar/health", proxy=f"http://127.0.0.1:{self.port}",
-                         headers={"authorization": f"Bearer {self.token}"}, trust_env=False, timeout=10).json()
-
-    def stop(self) -> None:
-        self.node.stop()
-        self.server.stop()
-        self.proxy.stop()
+def gateway_health(proxy: Proxy) -> dict:
+    """The gateway's health check, asked with its control token."""
+    return httpx.get("http://polar.health/_polar/health", proxy=proxy.proxy_url(),
+                     headers={"authorization": f"Bearer {proxy.control_token}"}, trust_env=False, timeout=10).json()
 
 
-def run_probe(tmp_path: Path, sandbox: str, probe: str, task: dict) -> tuple[NodeStack, dict, dict]:
+def run_probe(tmp_path: Path, sandbox: str, probe: str, task: dict) -> tuple[Proxy, dict, dict]:
     """One task whose workspace holds the probe (as probe.py), run by a node in `sandbox`
-    against a stand-in vLLM: the stack (stopped), the task's group, and the gateway's
-    health once it was done."""
+    against a stand-in vLLM, behind a mitmdump as Stack.start_node makes it (its control token
+    handed over in a file, session credentials checked): the proxy (stopped), the task's
+    group, and the gateway's health once it was done."""
     ws = tmp_path / "ws"
     ws.mkdir()
     shutil.copy(HERE / probe, ws / "probe.py")
+    token = secrets.token_hex(16)
     with FakeVLLM() as backend:
-        stack = NodeStack(tmp_path, backend.url, sandbox)
+        proxy = Proxy(tmp_path, backend.url, extra_sets=["polar_session_auth=on", "polar_version_check=0"],
+                      control_token=token)
         try:
-            stack.server.submit({"instruction": "x", "harness": "command", "workspace": str(ws), **task})
-            assert stack.server.wait([task["task_id"]], timeout=150)
-            return stack, stack.server.group(task["task_id"]), stack.health()
+            runtime = LocalRuntime(tmp_path / "sessions", sandbox=sandbox, expose=[HERE])
+            with Rollouts(proxy, runtime, control_token=token) as rollouts:
+                (group,) = rollouts.run([{"instruction": "x", "harness": "command", "workspace": str(ws),
+                                          **task}], timeout=150).values()
+                return proxy, group, gateway_health(proxy)
         finally:
-            stack.stop()
+            proxy.stop()
 
 
 def test_credentials_are_per_session_and_carried_where_the_name_is():
@@ -103,13 +86,13 @@ def test_a_session_cannot_write_into_a_siblings_trajectory(tmp_path):
     # attacker's probe got (it sees the workspace)
     command = (f'case "$POLAR_SESSION" in *~1) {FAKE} ok 1;; '
                f'*) {sys.executable} probe.py 1 && {FAKE} ok 1;; esac')
-    stack, group, health = run_probe(tmp_path, "bwrap", "tamper_probe.py", {
+    proxy, group, health = run_probe(tmp_path, "bwrap", "tamper_probe.py", {
         "task_id": "tamper", "num_samples": 2, "timeout": 60, "command": command,
         "evaluator": "[ -f tamper.json ] && tr -d '\\n' < tamper.json; echo; echo 1"})
     states = {s["session_id"]: (s["state"], s["reward"]) for s in group["sessions"]}
     assert states == {"tamper~0": ("done", 1.0), "tamper~1": ("done", 1.0)}, group
     # stored: the sibling's one call, and the attacker's own two (the probe's and the harness's)
-    rows = dict(query(stack.db, "SELECT session_id, count(*) FROM calls GROUP BY session_id")[1])
+    rows = dict(query(str(proxy.db), "SELECT session_id, count(*) FROM calls GROUP BY session_id")[1])
     assert rows == {"tamper~0": 2, "tamper~1": 1}, rows
     assert health["refused_calls"] == 5 and health["session_auth"] is True, health
     # what the attacker got: its provider's 403 for each, and its own call answered
@@ -126,10 +109,10 @@ def test_a_session_cannot_write_into_a_siblings_trajectory(tmp_path):
 
 def test_in_the_fallback_sandbox_the_control_token_cannot_be_read(tmp_path):
     # the probe runs as the harness, then the test reads what it kept
-    stack, group, _ = run_probe(tmp_path, "local", "secret_probe.py", {
+    proxy, group, _ = run_probe(tmp_path, "local", "secret_probe.py", {
         "task_id": "peek", "num_samples": 1, "timeout": 120, "evaluator": "echo 1",
         "command": f"{sys.executable} probe.py {tmp_path / 'mitmproxy'} {tmp_path} && cp -r seen probe.json {tmp_path}/"})
-    mitmdump = stack.proxy.proc.pid
+    mitmdump = proxy.pid
     (s,) = group["sessions"]
     assert s["state"] == "done", s
     report = json.loads((tmp_path / "probe.json").read_text())
@@ -140,9 +123,9 @@ def test_in_the_fallback_sandbox_the_control_token_cannot_be_read(tmp_path):
     assert seen["environ"].startswith("blocked") and seen["mem"].startswith("blocked"), seen
     fds = seen["fds"]     # listed maybe, but none of them opened
     assert isinstance(fds, str) or all(v.startswith("blocked") for v in fds.values()), seen
-    token = stack.token.encode()
+    token = proxy.control_token.encode()
     leaked = [p.name for p in (tmp_path / "seen").iterdir() if token in p.read_bytes()]
     assert not leaked, f"the control token was readable in {leaked}"
     assert len(list((tmp_path / "seen").iterdir())) > 10       # it did read what it could
-    assert subprocess.run(["grep", "-rl", stack.token, str(tmp_path / "mitmproxy")],
+    assert subprocess.run(["grep", "-rl", proxy.control_token, str(proxy.confdir)],
                           capture_output=True).stdout == b""    # no token file left behind

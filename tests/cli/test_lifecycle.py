@@ -17,6 +17,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Callable
 
+import httpx
 import pytest
 
 from support.fake_vllm import FakeVLLM
@@ -119,8 +120,11 @@ def rollout_server(tmp: Path, s: StandIns) -> Command:
 
 
 def node(tmp: Path, s: StandIns) -> Command:
+    # stopped once the server heard from it: a node at work, not one still starting
+    name = f"node-{token()}"
     return Command([POLAR, "node", "--server", s.server, "--backend", s.backend, "--db", str(tmp / "node.duckdb"),
-                    "--workers", "1"], _printed("proxy on 127.0.0.1:"))
+                    "--workers", "1", "--node-id", name],
+                   lambda out: "proxy on 127.0.0.1:" in out and name in httpx.get(f"{s.server}/status").json()["nodes"])
 
 
 def demo(tmp: Path, s: StandIns) -> Command:

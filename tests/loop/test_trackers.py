@@ -17,7 +17,7 @@ import pytest
 
 from polar_mitm.loop.trackers import (PROJECT, iteration_metrics, open_trackers,
                                  parse_report_to, step_metrics, wandb_last_step, wandb_records)
-from support.tracker_readers import QUIET, READERS, _put, read_wandb
+from support.tracker_readers import QUIET, READERS, put_figure, read_wandb
 
 TRAIN = str(Path(sys.executable).parent / "polar-train")
 ALL = ("tensorboard", "wandb", "mlflow", "trackio")
@@ -68,10 +68,10 @@ def _expect(logged: list[tuple[str, dict]]) -> dict:
     for kind, x in logged:
         if kind == "steps":
             for name, v in step_metrics(x).items():
-                _put(want, name, x["global_step"], v)
+                put_figure(want, name, x["global_step"], v)
         else:
             for name, v in iteration_metrics(x).items():
-                _put(want, name, x["iteration"] + 1, v)
+                put_figure(want, name, x["iteration"] + 1, v)
     return want
 
 
@@ -288,7 +288,7 @@ def test_train_reports_its_steps_and_a_rerun_continues_the_same_run(tmp_path, tr
     want: dict = {}
     for m in steps:
         for name, v in step_metrics(m).items():
-            _put(want, name, m["global_step"], v)
+            put_figure(want, name, m["global_step"], v)
     for name in ("tensorboard", "mlflow"):
         got = READERS[name](out, run_id)
         _close(got, want, name, rel=1e-6 if name == "tensorboard" else 1e-12)

@@ -378,32 +378,3 @@ def test_rollout_exit_codes_and_interrupts_that_spend_no_attempts(tmp_path):
         out = _run(tasks, "--db", db, "--backend", backend.url)
         assert out.returncode == 3, out.stdout + out.stderr
         assert "1 session(s) failed" in out.stderr and "exited with code 3" in out.stdout
-
-
-def test_the_rollout_server_and_a_node_exit_130_and_143_after_a_signal(tmp_path):
-    """Like `rollout`: SIGINT is 130, SIGTERM 143 (a supervisor tells a stop from a crash)."""
-    backend = FakeVLLM().up()
-    try:
-        for sig, code in [(signal.SIGINT, 130), (signal.SIGTERM, 143)]:
-            port = launch.free_port()
-            server = subprocess.Popen([POLAR, "rollout-server", "--db", str(tmp_path / "r.duckdb"),
-                                       "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True)
-            node = None
-            try:
-                launch.wait_port(port, None, timeout=60)
-                node = subprocess.Popen([POLAR, "node", "--server", f"http://127.0.0.1:{port}", "--backend",
-                                         backend.url, "--db", str(tmp_path / f"node-{code}.duckdb"), "--workers", "1"],
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                assert until(lambda: httpx.get(f"http://127.0.0.1:{port}/status").json()["nodes"]
-                             or node.poll() is not None, 60)
-                node.send_signal(sig)
-                assert node.wait(60) == code, node.stdout.read()
-                server.send_signal(sig)
-                assert server.wait(60) == code, server.stdout.read()
-            finally:
-                for p in (node, server):
-                    if p is not None and p.poll() is None:
-                        p.kill()
-    finally:
-        backend.down()

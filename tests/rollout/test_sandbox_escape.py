@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 
-from polar_mitm.rollout import GatewayNode, NodeConfig, RolloutServer
 from polar_mitm.rollout import bwrap as bw
 from polar_mitm.rollout import images
 from polar_mitm.rollout import runtime as rt
@@ -30,6 +29,7 @@ from polar_mitm.rollout.runtime import LocalRuntime
 from polar_mitm.rollout.spec import Workspace
 from support.procs import alive, token, until
 from support.fake_vllm import FakeVLLM
+from support.rollouts import Rollouts
 from support import SUPPORT
 
 HERE = SUPPORT   # the helper scripts the sessions run
@@ -119,10 +119,8 @@ def test_a_session_and_its_evaluator_cannot_get_out_of_the_sandbox(start_proxy, 
             "unix": unix_path, "abstract": f"polar-escape-{tok}", "ca_key": str(proxy.confdir / "mitmproxy-ca.pem"),
             "ca_cert": proxy.ca, "db": str(proxy.db), "sibling": str(sibling), "base": str(sessions),
             "host_ip": host_ip(), "host_port": t.getsockname()[1], "proxy_port": proxy.port}))
-        server = RolloutServer(str(proxy.db)).start()
-        node = GatewayNode(NodeConfig(server_url=server.url, proxy_port=proxy.port, ca_path=proxy.ca,
-                                      db=str(proxy.db), init_workers=2, run_workers=2, heartbeat_s=0.1),
-                           runtime=runtime).start()
+        rollouts = Rollouts(proxy, runtime)
+        server = rollouts.server
         # sample 1 is a running sibling with a secret in its workspace; sample 0 leaves
         # processes behind that try every way out of the process tree, probes, then makes
         # a model call through the proxy
@@ -146,8 +144,7 @@ def test_a_session_and_its_evaluator_cannot_get_out_of_the_sandbox(start_proxy, 
             left = alive(f"sleep {tok}")     # at once: a run ends only once its sandbox is empty
             group = server.group("escape")
         finally:
-            node.stop()
-            server.stop()
+            rollouts.stop()
             for pid in alive(f"sleep {tok}"):
                 os.kill(pid, signal.SIGKILL)
             for li in listeners:

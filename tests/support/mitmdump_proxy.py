@@ -12,13 +12,17 @@ from support.inprocess_proxy import ProxyLayout
 
 
 class Proxy(ProxyLayout):
-    """A mitmdump process (launch.start_proxy), as the CLI starts it."""
+    """A mitmdump process (launch.start_proxy), as the CLI starts it. control_token: the
+    gateway's, handed over as Stack.start_node hands it (in a file the addon removes)."""
 
-    def __init__(self, root: Path, backend: str, extra_sets=None, db_name="calls.duckdb"):
+    def __init__(self, root: Path, backend: str, extra_sets=None, db_name="calls.duckdb",
+                 control_token: str | None = None):
         super().__init__(root, backend, db_name)
+        self.control_token = control_token
         self.service = launch.start_proxy(db=self.db, backend=backend, port=self.port,
                                           confdir=self.confdir, log_path=self.log,
-                                          reverse_port=self.reverse_port, extra_sets=extra_sets)
+                                          reverse_port=self.reverse_port, extra_sets=extra_sets,
+                                          control_token=control_token)
 
     @property
     def pid(self) -> int:

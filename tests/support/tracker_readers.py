@@ -20,8 +20,10 @@ def _axis(name: str) -> str:
     return "iteration" if name.startswith(ITERATION_PREFIXES) else "global_step"
 
 
-def _put(seen: dict, name: str, step, value) -> None:
-    """Later values of a step replace earlier ones: what a reader shows last."""
+def put_figure(seen: dict, name: str, step, value) -> None:
+    """One figure's value at a step, into seen ({axis: {name: {step: value}}}, what a reader
+    returns or a test expects). Later values of a step replace earlier ones: what a reader
+    shows last."""
     seen.setdefault(_axis(name), {}).setdefault(name, {})[int(step)] = float(value)
 
 
@@ -37,7 +39,7 @@ def read_tensorboard(out: Path, run_id: str) -> dict:
     seen: dict = {}
     for tag in acc.Tags()["scalars"]:
         for e in acc.Scalars(tag):                # in file order: a resume's file comes later
-            _put(seen, tag, e.step, e.value)
+            put_figure(seen, tag, e.step, e.value)
     return seen
 
 
@@ -57,7 +59,7 @@ def read_wandb(out: Path, run_id: str) -> dict:
                 for k, v in row.items():
                     if not k.startswith("_") and k not in ("iteration", "global_step"):
                         assert _axis(k) == axis, (k, row)
-                        _put(seen, k, row[axis], v)
+                        put_figure(seen, k, row[axis], v)
     assert ids == {(run_id, PROJECT)}, ids        # every start continues the same run
     seen["segments"] = len(runs)
     return seen
@@ -75,7 +77,7 @@ def read_mlflow(out: Path, run_id: str) -> dict:
     for key in run.data.metrics:
         history = client.get_metric_history(run.info.run_id, key)
         for m in sorted(history, key=lambda m: m.timestamp):    # the latest of a step last
-            _put(seen, key, m.step, m.value)
+            put_figure(seen, key, m.step, m.value)
     return seen
 
 
@@ -101,7 +103,7 @@ def read_trackio(out: Path, run_id: str) -> dict:
     for entry in got["logs"]:                     # in the order logged
         for k, v in entry.items():
             if k not in ("step", "timestamp", "run", "run_id", "project", "log_id") and isinstance(v, (int, float)):
-                _put(seen, k, entry["step"], v)
+                put_figure(seen, k, entry["step"], v)
     return seen
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -86,6 +87,22 @@ class Command:
     argv: list[str]
     ready: Callable[[str], bool]     # on what it printed so far: it runs
     env: dict[str, str] = field(default_factory=dict)
+    stopped: Callable[[], bool] | None = None   # what must hold within 5 s of its exit
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _closed(*ports: int) -> bool:
+    for port in ports:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return False
+    return True
 
 
 def _printed(text: str) -> Callable[[str], bool]:
@@ -97,10 +114,14 @@ def _exists(path: Path) -> Callable[[str], bool]:
 
 
 def up(tmp: Path, s: StandIns) -> Command:
+    # signalled once its proxy served a call; within 5 s of its exit mitmdump is gone and
+    # neither port listens (a proxy left behind would hold the database)
     port, reverse = launch.free_ports(2)
     return Command([POLAR, "up", "--db", str(tmp / "r.duckdb"), "--backend", s.backend, "--port", str(port),
-                    "--reverse-port", str(reverse), "--confdir", str(tmp / "conf")], _printed("point a base URL"),
-                   {"POLAR_MITM_CACHE": str(tmp / "cache")})     # its logs
+                    "--reverse-port", str(reverse), "--confdir", str(tmp / "conf")],
+                   lambda out: "point a base URL" in out and _answers(f"http://127.0.0.1:{reverse}/v1/models"),
+                   {"POLAR_MITM_CACHE": str(tmp / "cache")},     # its logs
+                   lambda: not alive(str(tmp)) and _closed(port, reverse))
 
 
 def dashboard(tmp: Path, s: StandIns) -> Command:
@@ -171,6 +192,8 @@ def test_a_long_running_command_exits_143_on_sigterm_and_130_on_ctrl_c(command, 
             p.wait(10)
     said = log.read_text()
     assert "Traceback" not in said and "Aborted!" not in said, said
+    if started.stopped is not None:
+        assert until(started.stopped, 5), "still running or listening 5 s after the exit"
     # what it started stopped with it (the proxy, the rollout server, a node, their harnesses)
     assert until(lambda: not alive(str(tmp_path)) and not alive(stand_ins.sleep), 15), \
         (alive(str(tmp_path)), alive(stand_ins.sleep))

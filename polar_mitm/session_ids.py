@@ -7,7 +7,7 @@ proxy's addons, the store and the rollout server and node alike."""
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
+from typing import Collection, NamedTuple
 
 TASK_SEPARATOR = "~"
 RETRY_MARK = ".r"
@@ -62,6 +62,17 @@ def attempt_of(session_id: str) -> tuple[str, int]:
     if dot and tail.isdigit() and TASK_SEPARATOR in head:
         return head, int(tail)
     return session_id, 1
+
+
+def latest_attempts(session_ids: Collection[str]) -> set[str]:
+    """Of these sessions, each sample's latest attempt: when a retry (TASK~i.r2) and the
+    attempt it replaced (TASK~i, rewarded before its node was declared lost) both have
+    rewards, the latest counts, so a group never holds more rewarded sessions than samples."""
+    latest: dict[str, int] = {}
+    for sid in session_ids:
+        sample, attempt = attempt_of(sid)
+        latest[sample] = max(latest.get(sample, 0), attempt)
+    return {sid for sid in session_ids if attempt_of(sid)[1] == latest[attempt_of(sid)[0]]}
 
 
 def file_safe(session_id: str) -> str:

@@ -55,7 +55,7 @@ import orjson
 
 from ..adapters import AdapterError, adapter, backend_request
 from ..adapters.backend import to_backend
-from ..session_ids import attempt_of, parse_run_task, task_of, task_of_run
+from ..session_ids import latest_attempts, parse_run_task, task_of, task_of_run
 from .db import reading
 from .delta import apply_prompt, apply_text
 from .transcripts import body_with_answer
@@ -68,7 +68,6 @@ SUFFIXES = (".jsonl", ".parquet")
 SESSION_SKIPS = ("no_reward", "below_min_reward", "superseded_attempt", "held_out", "no_chain")
 # ... and why a call of an exported session is in no row (counted per call).
 CALL_SKIPS = ("failed", "abandoned", "missing_base", "unreadable", "no_answer", "no_token_ids")
-
 
 
 class _RowBase(TypedDict):
@@ -147,11 +146,7 @@ def _chosen_sessions(dbs: list[Path], min_reward: float, task: str | None, itera
         for sid, _, reward in rows:
             if reward is not None:
                 rewards.setdefault(sid, float(reward))
-    # The latest rewarded attempt of each sample counts, in every file.
-    latest: dict[str, int] = {}
-    for sid in rewards:
-        sample, attempt = attempt_of(sid)
-        latest[sample] = max(latest.get(sample, 0), attempt)
+    latest = latest_attempts(rewards)   # the latest rewarded attempt of each sample counts, in every file
     out: list[list[_Session]] = []
     seen: set[str] = set()   # a session in two files is counted once
     for rows in found:
@@ -167,7 +162,7 @@ def _chosen_sessions(dbs: list[Path], min_reward: float, task: str | None, itera
                 reason = "held_out"
             elif own is None:
                 reason = "no_reward"
-            elif attempt_of(sid)[1] < latest[attempt_of(sid)[0]]:
+            elif sid not in latest:
                 reason = "superseded_attempt"
             elif own < min_reward:
                 reason = "below_min_reward"

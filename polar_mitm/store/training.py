@@ -13,12 +13,12 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Collection, Iterable, Iterator, Mapping, NamedTuple
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple
 
 import orjson
 
 from ..trainer_input import UNKNOWN_VERSION, Call, SessionReward, policy_version_of
-from ..session_ids import attempt_of
+from ..session_ids import latest_attempts
 from .db import Reward, reading, store_rewards
 from .delta import apply_prompt
 
@@ -288,17 +288,6 @@ def _group_rewards(calls: list[Call], stored: _Stored,
     final = latest_attempts(chosen)
     return {sid: SessionReward(stored.groups[sid], float(stored.rewards[sid]))
             for sid in chosen if sid in final}
-
-
-def latest_attempts(session_ids: Collection[str]) -> set[str]:
-    """Of these sessions, each sample's latest attempt: when a retry (TASK~i.r2) and the
-    attempt it replaced (TASK~i, rewarded before its node was declared lost) both have
-    rewards, the latest counts, so a group never holds more rewarded sessions than samples."""
-    latest: dict[str, int] = {}
-    for sid in session_ids:
-        sample, attempt = attempt_of(sid)
-        latest[sample] = max(latest.get(sample, 0), attempt)
-    return {sid for sid in session_ids if attempt_of(sid)[1] == latest[attempt_of(sid)[0]]}
 
 
 def _main_models(rows: Iterable[_Row]) -> dict[str, str | None]:

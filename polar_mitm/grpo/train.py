@@ -34,13 +34,14 @@ import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Sequence, cast
 
 import torch
 
 from ..trainer_input import Call, SessionReward
-from .advantages import group_advantages, group_stats, token_weights
+from .advantages import GroupStats, group_advantages, group_stats, token_weights
 from .config import BUILDERS, AdvantageConfig, LossConfig, Normalization, TrainConfig  # noqa: F401 - re-exported
 from .loss import METRIC_SUMS, summarize
 from .metrics import StepLog
@@ -138,6 +139,11 @@ class TrainingData:
     @property
     def tokens(self) -> int:
         return self.offsets[-1]
+
+    @cached_property
+    def reward_stats(self) -> GroupStats:
+        """Every rewarded session's: the same for each step of the call, computed once."""
+        return group_stats(list(self.rewards.values()))
 
     def step_advantages(self, groups: Sequence[str]) -> list[float]:
         """The advantages of these groups' sessions, those with no trainable call included."""
@@ -298,7 +304,7 @@ class Trainer:
         lr = self.opt.param_groups[0]["lr"]
         self.opt.step()
         self.step += 1
-        rewards = group_stats(list(data.rewards.values()))
+        rewards = data.reward_stats
         adv = data.step_advantages(plan.groups)
         adv_stats = group_stats(adv)
         seconds = time.perf_counter() - t0

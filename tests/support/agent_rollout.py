@@ -28,7 +28,12 @@ class AgentRollout:
         (self.ws / "agent.py").write_text(AGENT)
         self.proxy = Proxy(root, backend.url, db_name="rollouts.duckdb")
         self.db = str(self.proxy.db)
-        self.rollouts = Rollouts(self.proxy, root / "sessions", backend_url=backend.url)
+        try:
+            self.rollouts = Rollouts(self.proxy, root / "sessions", backend_url=backend.url)
+        except BaseException:   # what started so far must not outlive a failed start
+            self.proxy.stop()
+            backend.down()
+            raise
         self.server = self.rollouts.server
 
     def task(self, task_id: str, samples: int) -> dict:

@@ -19,7 +19,6 @@ from .http_json import JSON_HEADERS
 from .sync_report import SwapSeconds, SwapStep
 
 
-
 class BackendUnavailable(AdapterError):
     status, kind = 503, "overloaded"
 

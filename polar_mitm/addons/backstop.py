@@ -68,7 +68,6 @@ class Backstop:
         data.server.error = "polar-mitm relays nothing to the outside"
 
 
-
 class Unanswered:
     """Last in the chain: a request that no addon answered (a bug) must not go through to the
     real host. Flows sent to our own relay are answered there."""

@@ -22,7 +22,6 @@ from .model_calls import ModelCalls, read_body
 from .relay import META
 
 
-
 class LocalAnswers:
     def __init__(self, backend_client: BackendClient, model_calls: ModelCalls):
         self.backend, self.model_calls = backend_client, model_calls

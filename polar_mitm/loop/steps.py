@@ -435,7 +435,6 @@ def no_calls_error(it: int, sessions: list[SessionResult], harnesses: set[str]) 
     return msg
 
 
-
 def no_signal_reason(groups: dict[str, Group]) -> str | None:
     """Why these groups hold nothing to learn from (None: they do): every session failed, no
     session has a reward, or every group's rewards are equal (GRPO's advantage is zero)."""
@@ -459,7 +458,6 @@ def no_signal_reason(groups: dict[str, Group]) -> str | None:
         return (f"every group's rewards are equal (rewards {values} in {len(groups)} groups): GRPO's advantage "
                 "is zero; tasks that the policy sometimes solves (or more samples) give it a signal")
     return None
-
 
 
 def _train_error(e: Exception, data: TrainingData, stale: int) -> str:

@@ -55,8 +55,6 @@ def run_task(task_id: str) -> RunTask:
     return RunTask(base_task=rt.task, run_id=rt.run_id, iteration=rt.iteration, held_out=rt.held_out)
 
 
-
-
 def _iso(v: Any) -> str | None:
     if v is None:
         return None

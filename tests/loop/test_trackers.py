@@ -27,8 +27,6 @@ TRACKER_ENV = ("WANDB_MODE", "WANDB_DIR", "WANDB_PROJECT", "WANDB_RUN_ID", "WAND
                "TRACKIO_SERVER_URL", "TRACKIO_BUCKET_ID", "TRACKIO_DATASET_ID")
 
 
-
-
 @pytest.fixture
 def tracker_env(monkeypatch):
     for name in TRACKER_ENV:

@@ -55,6 +55,7 @@ def test_no_call_straddles_a_sync(start_proxy):
         while len(fake.bodies) < 8 and time.monotonic() < deadline:   # all 8 in flight
             time.sleep(0.01)
         report: dict = {}
+        fake.reload_gate = threading.Event()
         syncer = threading.Thread(target=lambda: report.update(sync(proxy, "/ckpt/1", 1).json()))
         syncer.start()
         while not policy(proxy)["holding"] and time.monotonic() < deadline + 10:
@@ -62,6 +63,11 @@ def test_no_call_straddles_a_sync(start_proxy):
         second = [threading.Thread(target=call, args=(i,)) for i in range(8, 16)]   # during the sync
         for t in second:
             t.start()
+        # the reload lasts until the gateway holds one of them: on a loaded machine the
+        # clients could otherwise arrive after the sync (8 threads start slowly)
+        while not policy(proxy)["held"] and time.monotonic() < deadline + 20:
+            time.sleep(0.01)
+        fake.reload_gate.set()
         for t in [*first, syncer, *second]:
             t.join(60)
         assert not errors, errors

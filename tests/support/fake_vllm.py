@@ -91,6 +91,8 @@ class FakeVLLM:
         # weights as vLLM's dev-mode endpoints change them: the answer says which served it
         self.weights: str | None = "base"
         self.reload_delay, self.dev_mode = reload_delay, dev_mode
+        # set by a test that needs a reload to last until something happened (then .set())
+        self.reload_gate: threading.Event | None = None
         self.served: list[tuple[float, float, str | None, str | None]] = []   # (start, end, weights then, after)
         self.reloads: list[tuple[float, float, str]] = []       # (start, end, weights path)
         self.lock = threading.Lock()
@@ -262,6 +264,8 @@ class FakeVLLM:
             t0 = time.monotonic()
             self.reloading = True
             time.sleep(self.reload_delay)
+            if self.reload_gate is not None:
+                self.reload_gate.wait(30)
             self.weights = body["kwargs"]["weights_path"]
             self.reloading = False
             self.reloads.append((t0, time.monotonic(), self.weights))

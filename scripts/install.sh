@@ -59,6 +59,17 @@ if [ "${#missing[@]}" -gt 0 ]; then
     command -v "$tool" >/dev/null || echo "warning: $tool is not installed: $why (install the $tool package as root)" >&2
   done
 fi
+# The image tests build images without glibc from Debian's packages: a static busybox
+# (busybox-static) and a program linked against musl (musl-tools' musl-gcc; gcc for the
+# test's preload library). Same way: as root, best effort.
+if [ ! -x /bin/busybox ] || ! command -v musl-gcc >/dev/null || ! command -v gcc >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq busybox-static musl-tools gcc; } \
+      >/dev/null 2>&1 || true
+  fi
+  { [ -x /bin/busybox ] && command -v musl-gcc >/dev/null && command -v gcc >/dev/null; } \
+    || echo "warning: busybox-static, musl-tools or gcc is not installed: the tests of images without glibc will fail (install them as root)" >&2
+fi
 # The dashboard's browser tests drive the system Chromium through Playwright (no browser can
 # be downloaded here, so `playwright install` is never run). Same way: as root, best effort.
 if ! command -v chromium >/dev/null; then

@@ -32,6 +32,13 @@ class NoWeightInfo(AdapterError):
     status, kind = 502, "api_error"
 
 
+def answered(e: AdapterError, status: int) -> AdapterError:
+    """e, marked as the backend's own answer (its HTTP status): it served the request and
+    failed it, which may be the request's doing (request_failures.py)."""
+    e.backend_status = status       # type: ignore[attr-defined]
+    return e
+
+
 TAG_PREFIX = "polar-v"
 
 
@@ -109,7 +116,8 @@ class BackendClient:
         try:
             return backend.parse_completion(resp.content)
         except orjson.JSONDecodeError:
-            raise backend.BackendError("the model backend answered with invalid JSON") from None
+            raise answered(backend.BackendError("the model backend answered with invalid JSON"), resp.status) \
+                from None
 
     async def tokenize(self, backend_body: dict) -> int:
         """The prompt's token count from vLLM's /tokenize, rendered as the completion will be."""
@@ -139,8 +147,23 @@ class BackendClient:
         except HTTPError as e:
             raise BackendUnavailable(f"the model backend is unavailable: {e}") from None
         if resp.status != 200:
-            raise backend.backend_error(resp.status, resp.content)
+            raise answered(backend.backend_error(resp.status, resp.content), resp.status)
         return resp
+
+    async def health(self, timeout: float) -> tuple[bool, str]:
+        """Whether the backend answers its health check now: vLLM's /health, or its model list
+        where there is no /health (a stand-in). (healthy, what it saw)."""
+        try:
+            resp = await self._http().request("GET", "/health", timeout=timeout)
+            seen = f"/health {resp.status}"
+            if resp.status == 404:
+                resp = await self._http().request("GET", "/v1/models", timeout=timeout)
+                seen = f"/health 404, /v1/models {resp.status}"
+        except HTTPTimeout:
+            return False, f"/health: no answer within {timeout:g}s"
+        except HTTPError as e:
+            return False, f"/health: {e}"
+        return resp.status == 200, seen
 
     async def served(self) -> str:
         """The model asked for, and the backend's context length, from its model list (once)."""

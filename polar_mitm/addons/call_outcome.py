@@ -75,7 +75,7 @@ class Failed(NamedTuple):
     answer: Answer
     response_json: dict[str, Any]        # the error body
     error: str                           # the whole reason, for the record (a bug's text included)
-    kind: str                            # invalid_request, too_large, backend_error, timeout, ...
+    kind: str                            # invalid_request, too_large, backend_error, timeout, request_failed, ...
     dispatch: Dispatch | None = None     # None: it failed before vLLM was asked
     waits: Waits = Waits()
 

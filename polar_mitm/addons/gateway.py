@@ -10,7 +10,10 @@
     WeightSync     /_polar/sync: hold calls, drain, reload vLLM's weights, next version;
                    the version watch (vLLM's tag read back) and /_polar/verify
     ModelCalls     model calls: to vLLM and back in the harness's format, recorded first;
-                   long streaming calls go through the loopback StreamRelay for keepalives
+                   long streaming calls go through the loopback StreamRelay for keepalives;
+                   at most polar_session_max_inflight of a session's at the backend
+                   (session_slots.py); whose failure an error the backend answered is
+                   (request_failures.py)
     Health         /_polar/health: loaded and answering, and how recording goes
     LocalAnswers   everything else (telemetry, model lists, token counts)
     Unanswered     a 500 for whatever no addon answered: nothing goes upstream

@@ -37,6 +37,8 @@ from .policy_gate import PolicyGate
 from .proxy_users import ProxyUsers
 from .recorder import Recorder
 from .relay import StreamRelay
+from .request_failures import DEFAULT_WINDOW_S, REQUEST_FAILED, BackendWitness
+from .session_slots import DEFAULT_MAX_INFLIGHT, SessionSlots
 
 log = logging.getLogger("polar")
 
@@ -147,6 +149,8 @@ class ModelCalls:
         # session -> (request text length, prompt tokens) of its last call: bounds the next prompt
         self._prompt_sizes: dict[str, tuple[int, int]] = {}
         self.calls = 0
+        self.session_slots = SessionSlots()    # polar_session_max_inflight
+        self.witness = BackendWitness()        # whose failure a failed call is (polar_request_failure_window)
 
     def load(self, loader: Loader) -> None:
         loader.add_option("polar_session_key", str, "auto",
@@ -177,6 +181,16 @@ class ModelCalls:
                           "Seconds a streaming call may wait for the backend before its SSE "
                           "headers go out, followed by a keepalive comment every as many "
                           "seconds until the answer (0: off; the answer then goes out whole).")
+        loader.add_option("polar_session_max_inflight", int, DEFAULT_MAX_INFLIGHT,
+                          "Calls of one session at the backend at once (0: no cap); a session's "
+                          "further calls wait their turn, first come first served, at most "
+                          "polar_backend_timeout (then it fails as session_busy).")
+        loader.add_option("polar_request_failure_window", str, f"{DEFAULT_WINDOW_S:g}",
+                          "Seconds after a failure in which another call must succeed at the "
+                          "backend for an error the backend answered (a 4xx/5xx other than "
+                          "429/503, or no completion) to be the request's (request_failed: the "
+                          "policy's, scored) rather than the backend's (released); the backend's "
+                          "/health is probed too. 0: every such error is the backend's.")
 
     def configure(self, updated: set[str]) -> None:
         if "polar_max_body" in updated:
@@ -199,6 +213,13 @@ class ModelCalls:
                     raise exceptions.OptionsError(f"{name}: {e}") from None
         if "polar_stream_keepalive" in updated:
             self.keepalive = option_values.seconds("polar_stream_keepalive", ctx.options.polar_stream_keepalive)
+        if "polar_session_max_inflight" in updated:
+            if ctx.options.polar_session_max_inflight < 0:
+                raise exceptions.OptionsError("polar_session_max_inflight must be >= 0")
+            self.session_slots.cap = ctx.options.polar_session_max_inflight
+        if "polar_request_failure_window" in updated:
+            self.witness.window_s = option_values.seconds("polar_request_failure_window",
+                                                          ctx.options.polar_request_failure_window)
 
     async def running(self) -> None:
         gc.freeze()   # what start-up made lives on: later collections need not scan it
@@ -348,25 +369,57 @@ class ModelCalls:
         without_conversation["messages"] = []
         call.request = without_conversation
         queue_ms = backend_ms = 0.0
+        sent: float | None = None      # when it went to the backend (monotonic)
+        answered = False               # the backend's 200 came back
+        returned = False               # the witness heard how it ended
         try:
             slots = self.backend.slots
             q0 = time.perf_counter()
-            # Inside the gate the weights cannot change: a sync waits for this call, and a call
-            # that arrives during a sync waits for it (queue_ms counts both waits).
-            async with self.gate.call() as ticket:
-                if slots:
-                    await slots.acquire()
-                try:
-                    b0 = time.perf_counter()
-                    queue_ms = (b0 - q0) * 1000
-                    resp_json, prompt_ids = await self.backend.complete(payload)
-                    backend_ms = (time.perf_counter() - b0) * 1000
-                finally:
+            # At most polar_session_max_inflight of a session's calls at the backend: the rest
+            # wait here, outside the gate (a sync never waits on a session's queue). Inside the
+            # gate the weights cannot change: a sync waits for this call, and a call that
+            # arrives during a sync waits for it (queue_ms counts all three waits).
+            async with self.session_slots.slot(call.session.session_id, self.backend.timeout):
+                async with self.gate.call() as ticket:
                     if slots:
-                        slots.release()
-            return self._served(call, resp_json, prompt_ids, dispatch, Waits(queue_ms, backend_ms), ticket.version)
+                        await slots.acquire()
+                    try:
+                        b0 = time.perf_counter()
+                        sent = time.monotonic()
+                        queue_ms = (b0 - q0) * 1000
+                        self.witness.sent()
+                        resp_json, prompt_ids = await self.backend.complete(payload)
+                        answered = True
+                        backend_ms = (time.perf_counter() - b0) * 1000
+                    finally:
+                        if slots:
+                            slots.release()
+            served = self._served(call, resp_json, prompt_ids, dispatch, Waits(queue_ms, backend_ms), ticket.version)
+            returned = True
+            self.witness.returned(ok=True)     # a success only once its answer is a completion
+            return served
         except Exception as e:
-            return self._failed(call, e, dispatch, Waits(queue_ms, backend_ms))
+            failed = self._failed(call, e, dispatch, Waits(queue_ms, backend_ms))
+            if sent is not None:   # it reached the backend: whose failure is it?
+                returned = True
+                self.witness.returned(ok=False)
+                failed = await self._attributed(failed, e, sent, answered)
+            return failed
+        finally:
+            if sent is not None and not returned:   # cancelled
+                self.witness.returned(ok=False)
+
+    async def _attributed(self, failed: Failed, e: Exception, sent: float, answered_ok: bool) -> Failed:
+        """A call the backend answered with an error (or a 200 that is no completion) while it
+        was healthy and served other calls is the request's failure (request_failures.py);
+        what the probe saw goes into the record either way."""
+        status = getattr(e, "backend_status", 200 if answered_ok else None)
+        if (failed.kind != "backend_error" or status is None or not isinstance(e, AdapterError)
+                or not self.witness.window_s):
+            return failed
+        verdict = await self.witness.judge(self.backend.health, sent, time.monotonic())
+        return failed._replace(kind=REQUEST_FAILED if verdict.request_failed else failed.kind,
+                               error=f"{failed.error} [HTTP {status} from the backend; {verdict.note}]"[:2000])
 
     async def _dispatch(self, call: Call, request: ChatRequest) -> tuple[Dispatch, dict[str, Any]]:
         """What vLLM is asked for, and the request it gets."""
@@ -406,7 +459,7 @@ class ModelCalls:
             status = call.adapter.OVERLOADED_STATUS
         # A bug's Python text goes to the log and the record, not to the harness.
         message = (str(e) or type(e).__name__) if isinstance(e, AdapterError) else "polar-mitm internal error"
-        answer = call.adapter.error(status, message, kind)
+        answer = call.adapter.error(status, message, getattr(e, "answer_kind", kind))
         return Failed(Answer(status, orjson.dumps(answer), dict(JSON_HEADERS)), answer, str(e)[:2000] or repr(e),
                       kind, dispatch, waits)
 

@@ -14,8 +14,8 @@ import click
 
 from ..stack import launch
 from ..models import cache_dir
-from .params import (MAX_TOKENS_OR_NONE, PORT, PORT_OR_ANY, backend_option, check_model_dir, check_port_free,
-                     db_file, db_option)
+from .params import (MAX_TOKENS_OR_NONE, PORT, PORT_OR_ANY, allowed_host_option, backend_option, check_model_dir,
+                     check_port_free, db_file, db_option)
 from .rollout import register as register_rollout
 from .lifecycle import LongRunning
 from ..stack.local import Stack
@@ -320,21 +320,24 @@ def _sdk_tour(db: str, backend: str, max_tokens: int) -> None:
               help="A polar-train loop's run directory (--out): loop.json, checkpoints, its database")
 @click.option("--port", default=8765, show_default=True, type=PORT)
 @click.option("--host", default="127.0.0.1", show_default=True, help="The address to listen on")
+@allowed_host_option
 @click.option("--tokenizer", default=None, type=click.Path(exists=True),
               help="A directory with tokenizer.json (or the file), for the sampled tokens' text; "
                    "default: the run's latest checkpoint's, else token ids")
-def dashboard(dbs, run_dir, port, host, tokenizer):
+def dashboard(dbs, run_dir, port, host, allowed_hosts, tokenizer):
     """A local web app over the databases and a loop's run directory: runs, groups, sessions
     (the conversation as the model saw it, its tokens by logprob), compare. Read-only: it reads
     only when files change, as any reader does (docs/dashboard.md)."""
     from ..dashboard.app import close_streams, make_app
     from ..rollout.http_api import ThreadedUvicorn
+    from ..rollout.web_guard import guarded
 
     with LongRunning() as life:
         dbs = _dashboard_dbs(list(dbs), run_dir)
         app = make_app(dbs, run_dir, tokenizer)
-        try:
-            server = life.stops(ThreadedUvicorn(app, host, port, name="dashboard"))
+        try:   # its own Host names only (DNS rebinding), no token: it is read-only and meant for loopback
+            server = life.stops(ThreadedUvicorn(guarded(app, host, allowed_hosts, token_beyond_loopback=False),
+                                                host, port, name="dashboard"))
         except OSError as e:
             raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         life.on_stop(lambda: close_streams(app))    # first: the server's stop need not wait for them

@@ -91,3 +91,37 @@ db_option = click.option("--db", default="rollouts.duckdb", show_default=True, c
 def backend_option(help: str = "A running vLLM server's root URL (http://HOST:PORT); default: start the "
                                "embedded default model"):
     return click.option("--backend", default="", callback=server_root, help=help)
+
+
+def _allowed_hosts(ctx: click.Context | None, param: click.Parameter | None, value: tuple[str, ...]) -> list[str]:
+    from ..rollout.web_guard import split_host
+
+    for v in value:
+        if v != "*":
+            try:
+                split_host(v)
+            except ValueError:
+                raise click.BadParameter(f"{v!r} is not a host name or HOST:PORT", param_hint="'--allowed-host'") \
+                    from None
+    return list(value)
+
+
+allowed_host_option = click.option(
+    "--allowed-host", "allowed_hosts", multiple=True, callback=_allowed_hosts,
+    help="A Host name (or HOST:PORT) it answers to besides loopback and the --host address "
+         "(repeatable; a guard against DNS rebinding)")
+
+
+def _session_limits(ctx: click.Context | None, param: click.Parameter | None, value: tuple[str, ...]) -> dict:
+    from ..rollout.limits import parse_options
+
+    try:
+        return parse_options(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--session-limit'") from None
+
+
+session_limit_option = click.option(
+    "--session-limit", "session_limits", multiple=True, callback=_session_limits, metavar="NAME=VALUE",
+    help="What each session may use, for tasks that set none (repeatable): memory=2GiB, pids=512, cpus=1, "
+         "nofile=4096, disk=4GiB, log=8MiB (these are the defaults); a task's own `limits` go over them")

@@ -28,8 +28,8 @@ from ..rollout.judging import judge_groups
 from ..rollout.rewards import release_causes, store_settled
 from ..rollout.spec import TaskChanged, TaskExists, TaskRequest, spec_changes, task_from_json
 from ..rollout.states import ORDER, OUTCOMES, RELEASE_CAUSE, TASK_SETTLED, TERMINAL, Callback, ReleaseCause, Session
-from .params import (MAX_TOKENS, MAX_TOKENS_OR_NONE, PORT_OR_ANY, WORKERS, backend_option, check_model_dir,
-                     check_port_free, db_file, db_option, server_root)
+from .params import (MAX_TOKENS, MAX_TOKENS_OR_NONE, PORT_OR_ANY, WORKERS, allowed_host_option, backend_option,
+                     check_model_dir, check_port_free, db_file, db_option, server_root, session_limit_option)
 from .lifecycle import LongRunning
 from ..stack.local import Stack, check_backend, check_workspaces, ensure_harnesses, read_tasks
 from ..stack.vllm import vllm_options
@@ -357,7 +357,9 @@ def outcome_code(server: RolloutServer, task_ids: list[str]) -> int:
 @vllm_options
 @click.option("--on-changed", type=click.Choice(["error", "keep"]), default="error", show_default=True,
               help="A task already in --db with another spec: error, or keep (resume the stored one as it was)")
-def rollout(tasks_file, harness, samples, db, backend, workers, max_tokens, port, model, vllm, on_changed):
+@session_limit_option
+def rollout(tasks_file, harness, samples, db, backend, workers, max_tokens, port, model, vllm, on_changed,
+            session_limits):
     """Run a task file end to end on this machine: model, proxy, rollout server, one node.
 
     Exit status: 0 all sessions settled and none failed; 1 an error; 3 sessions failed
@@ -374,7 +376,7 @@ def rollout(tasks_file, harness, samples, db, backend, workers, max_tokens, port
         backend = backend or stack.start_model(work, vllm, model=model)
         server = stack.start_server(db, port=port)
         stack.start_node(db=db, backend=backend, work=work, proxy_port=launch.free_port(),
-                         workers=workers, max_tokens=max_tokens, server_url=server.url)
+                         workers=workers, max_tokens=max_tokens, server_url=server.url, limits=session_limits)
         ids = _submit(server, tasks, changed, on_changed, db)
         run = _watch(server, stack, ids, db)
         _store_rewards(stack, server, ids, db, backend)
@@ -476,17 +478,31 @@ def _store_rewards(stack: Stack, server: RolloutServer, ids: list[str], db: str,
 @click.option("--check-workspaces/--no-check-workspaces", "workspace_check", default=True, show_default=True,
               help="Refuse a task whose workspace (directory, git repo, commit) is not on this machine; "
                    "turn off when workspaces exist only on the nodes")
-def rollout_server(db, host, port, node_timeout, workspace_check):
+@allowed_host_option
+@click.option("--token-file", default=None, type=click.Path(dir_okay=False),
+              help="The bearer token every request must carry (a fresh one is written there, mode 0600, "
+                   "where there is no file); default: none on loopback, DB.token beyond it")
+def rollout_server(db, host, port, node_timeout, workspace_check, allowed_hosts, token_file):
     """Serve the rollout API (POST /tasks, GET /tasks/ID, POST /tasks/ID/cancel, GET /status)."""
+    from ..rollout.web_guard import TokenError, is_loopback, load_token
+
     with LongRunning() as life:
         check_port_free(port, host)
+        if token_file is None and not is_loopback(host):
+            token_file = f"{db}.token"
+        try:
+            token = load_token(token_file, create=True) if token_file else None
+        except TokenError as e:
+            raise click.BadParameter(str(e), param_hint="'--token-file'") from None
         stack = life.stops(Stack())
         try:
             server = stack.start_server(db, host=host, port=port, node_timeout=node_timeout,
-                                        check_workspaces=workspace_check)
+                                        check_workspaces=workspace_check, token=token,
+                                        allowed_hosts=allowed_hosts)
         except OSError as e:   # taken since the check
             raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-        click.echo(f"rollout server on {server.url}, state in {db}")
+        click.echo(f"rollout server on {server.url}, state in {db}"
+                   + (f"; requests need the bearer token in {token_file} (nodes: --token-file)" if token else ""))
         life.wait(stack)
 
 
@@ -500,9 +516,19 @@ def rollout_server(db, host, port, node_timeout, workspace_check):
 @click.option("--workers", default=4, show_default=True, type=WORKERS)
 @click.option("--max-tokens", default=0, type=MAX_TOKENS_OR_NONE, help="Cap on each call's output tokens (0: none)")
 @click.option("--node-id", default=None)
-def node(server_url, backend, db, proxy_port, workers, max_tokens, node_id):
+@click.option("--token-file", default=None, type=click.Path(dir_okay=False),
+              help="The rollout server's bearer token (its --token-file, copied here with mode 0600); "
+                   "needed once it listens beyond loopback")
+@session_limit_option
+def node(server_url, backend, db, proxy_port, workers, max_tokens, node_id, token_file, session_limits):
     """Run a gateway node: the proxy plus the INIT, RUN and POST_RUN pools. It pauses
     (takes no work, starts no harness) while its backend does not answer."""
+    from ..rollout.web_guard import TokenError, load_token
+
+    try:
+        server_token = load_token(token_file) if token_file else None
+    except TokenError as e:
+        raise click.BadParameter(str(e), param_hint="'--token-file'") from None
     with LongRunning() as life:
         check_port_free(proxy_port, option="--proxy-port")
         check_backend(backend)
@@ -511,7 +537,7 @@ def node(server_url, backend, db, proxy_port, workers, max_tokens, node_id):
         stack = life.stops(Stack())
         gw = stack.start_node(db=db, backend=backend, work=work, proxy_port=proxy_port or launch.free_port(),
                               workers=workers, max_tokens=max_tokens or None, server_url=server_url,
-                              node_id=node_id)
+                              node_id=node_id, server_token=server_token, limits=session_limits)
         click.echo(f"node {gw.cfg.node_id}: proxy on 127.0.0.1:{gw.cfg.proxy_port}, database {db}")
         life.wait(stack)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from .params import MAX_TOKENS, WORKERS, backend_option, server_root
+from .params import MAX_TOKENS, WORKERS, backend_option, server_root, session_limit_option
 from .lifecycle import LongRunning
 from ..loop.options import LoopOptions
 from ..stack.vllm import vllm_options
@@ -265,9 +265,10 @@ def format_builders(rows: list[dict]) -> str:
               "and KV cache freed) while the trainer runs and wakes with the new weights. Needs vLLM's "
               "sleep mode (GPU), and --max-staleness 0")
 @report_to_option
+@session_limit_option
 @trainer_options
 def loop(tasks_file, iterations, out, harness, samples, model, backend, eval_tasks_file, eval_every, workers,
-         max_tokens, keep, vllm, max_staleness, server, colocate, report_to, **options):
+         max_tokens, keep, vllm, max_staleness, server, colocate, report_to, session_limits, **options):
     """The closed loop: rollouts through a real harness, GRPO, the new weights synced into the
     running vLLM, the next rollouts.
 
@@ -277,7 +278,8 @@ def loop(tasks_file, iterations, out, harness, samples, model, backend, eval_tas
                        samples=samples, model=model or None, backend=backend or None,
                        eval_tasks_file=eval_tasks_file, eval_every=eval_every, workers=workers,
                        max_tokens=max_tokens, keep=keep, vllm=vllm, max_staleness=max_staleness,
-                       server=server or None, colocate=colocate, report_to=report_to)
+                       server=server or None, colocate=colocate, report_to=report_to,
+                       session_limits=session_limits)
     interruptible_loop(opts, train_config(**options))
 
 

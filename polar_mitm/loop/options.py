@@ -28,6 +28,7 @@ class LoopOptions:
     server: str | None = None             # a running rollout server (its nodes, their vLLMs)
     colocate: bool = False                # one GPU: vLLM sleeps while the trainer runs
     report_to: tuple[str, ...] = ()       # experiment trackers (trackers.TRACKERS)
+    session_limits: dict = field(default_factory=dict)   # the node's limits per session (limits.parse_limits)
 
     def evaluates(self, it: int) -> bool:
         """Whether iteration `it` (from 0) runs the held-out tasks: the first and the last always,

@@ -6,11 +6,18 @@ Each run (the harness, then the evaluator) is one `bwrap` with every namespace u
   bwrap is killed (the node kills it, or the node dies: PDEATHSIG), PID 1 exits and the kernel
   kills every process left in the namespace, whatever its process group, session or
   environment (`setsid env -i`, double forks). Nothing is marked, nothing scans /proc.
-- network: its own namespace with loopback only. With a proxy port, netbridge.py (run on the
-  node's Python, inside) listens on 127.0.0.1:PORT and forwards to a unix socket that the node
-  joins to the proxy: the harness's HTTPS_PROXY address works unchanged, and nothing else
-  leads out. Host unix sockets are out of sight (a private /tmp and /run) and abstract ones
-  belong to the host's network namespace.
+- network: its own namespace with loopback only. With a proxy port, 127.0.0.1:PORT there leads
+  to the proxy and nothing else leads out: the node makes the namespace and listens in it
+  (netbridge.NetnsBridge) and the sandbox joins it (`nsenter --net` around bwrap, with
+  --share-net: every other namespace is still its own), so nothing of the node runs inside;
+  where the node may not make one, netbridge.py runs inside, on the node's Python, and
+  forwards to a unix socket that the node joins to the proxy. The harness's HTTPS_PROXY
+  address works unchanged. Host unix sockets are out of sight (a private /tmp and /run) and
+  abstract ones belong to the host's network namespace.
+- environment: bwrap and the helpers around it run with a clean one (HOST_ENV); the
+  command's own (an image's Env, the task's) is set inside only (`--clearenv`, `--setenv`,
+  read from a file descriptor: `env_args`), so an image's LD_PRELOAD or relative PATH never
+  reaches a program the node runs as root outside.
 - files: a read-only root of the system directories (/usr, /bin, /lib*, /etc without its
   secrets), the node's Python, Node.js and the harness installs; the session's workspace,
   HOME and TMPDIR read-write at their own paths; its logs read-only; the CA certificate the
@@ -42,6 +49,14 @@ SECRET_FILES = ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-", 
 SECRET_DIRS = ("/etc/ssh", "/etc/ssl/private", "/etc/sudoers.d", "/etc/polkit-1", "/etc/docker",
                "/etc/containerd", "/etc/kubernetes", "/etc/wireguard", "/etc/letsencrypt")
 EXPOSE_ENV = "POLAR_SANDBOX_EXPOSE"      # more read-only paths, os.pathsep-separated
+# The sandbox's writable memory-backed mounts (tmpfs): /tmp, /var/tmp, and /dev/shm in a /dev
+# that is otherwise read-only (bwrap's /dev is a tmpfs of its own). `sized` gives each a size;
+# a cgroup charges their pages to the session's memory (limits.py).
+TMPFS = ("/tmp", "/var/tmp", "/dev/shm")
+SCRATCH = ("--dev", "/dev", "--tmpfs", "/dev/shm", "--remount-ro", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/var/tmp")
+# What bwrap and the helpers around it (setpriv, nsenter, unshare, mount) get as their own
+# environment: nothing of the command's.
+HOST_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 
 
 def node_paths(expose=()) -> list[str]:
@@ -92,11 +107,12 @@ class Bwrap:
         for d in SECRET_DIRS:
             if os.path.isdir(d) and not os.path.islink(d):
                 args += ["--tmpfs", d, "--remount-ro", d]
-        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/var/tmp"]
+        args += ["--proc", "/proc", *SCRATCH]
         for p in ro:
             args += ["--ro-bind", p, p]
         self.readonly = ro
         self.fixed = args
+        self.can_size = _has_size_option(exe)
 
     def image_fixed(self, root: str) -> list[str]:
         """An image's sandbox: root (the session's writable layer over the image) as /, and
@@ -104,7 +120,7 @@ class Bwrap:
         own paths), the harness installs, and Node.js's binary at NODE_INSIDE (its prefix may
         be /usr, which is the image's)."""
         args = ["--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--bind", root, "/",
-                "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/var/tmp"]
+                "--proc", "/proc", *SCRATCH]
         for p in self.readonly:
             args += ["--ro-bind", p, p]
         node = shutil.which("node")
@@ -115,14 +131,16 @@ class Bwrap:
     def argv(self, argv: list[str], *, rw: list[Path], ro: list[Path], env: dict[str, str], cwd: Path | str,
              network: str, proxy_port: int | None = None, sock_dir: str | None = None,
              hide: Sequence[Path] = (), root: str | None = None,
-             binds: Sequence[tuple[Path, str]] = ()) -> list[str]:
+             binds: Sequence[tuple[Path, str]] = (), joined: bool = False) -> list[str]:
         """The bwrap command line that runs argv in cwd, with rw and ro shown at their own
         paths over empty directories at `hide`, and each (path, where) of binds read-write at
         where. network: "isolated" (loopback; with proxy_port and sock_dir, 127.0.0.1:proxy_port
-        inside leads to the unix socket sock_dir/proxy.sock outside) or "host". root: an
-        image's root filesystem (writable: the session's own layer) instead of the node's."""
+        inside leads to the unix socket sock_dir/proxy.sock outside) or "host". joined: the
+        sandbox keeps the network namespace it is started in (one the node made, which
+        nsenter joined). root: an image's root filesystem (writable: the session's own layer)
+        instead of the node's. env is only read here (the CA variables): `env_args` sets it."""
         args = [self.exe, *(self.image_fixed(root) if root else self.fixed)]
-        if network == "host":
+        if network == "host" or joined:
             args.append("--share-net")
         shown = [str(p) for p in rw + ro]
         masks: list[str] = []           # empty directories: read-only once the binds below are in
@@ -147,7 +165,7 @@ class Bwrap:
             args += ["--bind", str(p), where]
         for p in ro:
             args += ["--ro-bind", str(p), str(p)]
-        bridged = network != "host" and bool(proxy_port) and bool(sock_dir)
+        bridged = network != "host" and not joined and bool(proxy_port) and bool(sock_dir)
         if bridged and proxy_port and sock_dir:
             args += ["--ro-bind", NETBRIDGE, f"{INSIDE}/netbridge.py", "--ro-bind", sock_dir, f"{INSIDE}/net"]
             if proxy_port < 1024:       # a privileged port, bound in the sandbox's own network only
@@ -161,6 +179,45 @@ class Bwrap:
             args += [self.python, "-I", "-S", f"{INSIDE}/netbridge.py", str(proxy_port),
                      f"{INSIDE}/net/proxy.sock", "--"]
         return [*args, *argv]
+
+
+def env_args(env: dict[str, str]) -> bytes:
+    """bwrap's arguments that give the command exactly env, NUL-separated for `--args FD`:
+    on its command line they would show the session's credential to every user of the host."""
+    for k, v in env.items():
+        if not k or "=" in k or "\0" in k or "\0" in v:
+            raise ValueError(f"environment variable {k!r}: a name with '=' or NUL, or a value with NUL")
+    args = ["--clearenv"]
+    for k, v in env.items():
+        args += ["--setenv", k, v]
+    return b"".join(a.encode("utf-8", "surrogateescape") + b"\0" for a in args)
+
+
+def _has_size_option(exe: str) -> bool:
+    """Whether this bwrap sizes a tmpfs (--size: bubblewrap 0.7 and later)."""
+    try:
+        done = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=10, env=HOST_ENV)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "--size" in done.stdout + done.stderr
+
+
+def sized(argv: list[str], exe: str, size: int) -> list[str]:
+    """argv (a command line with bwrap in it, `exe`) with each writable tmpfs of bwrap's
+    (TMPFS) at most `size` bytes (`--size`, bwrap 0.7 and later): without a cgroup's memory
+    limit they would take the node's RAM, as much as a session writes to them."""
+    if exe not in argv:
+        return argv
+    at = argv.index(exe) + 1
+    end = argv.index("--", at) if "--" in argv[at:] else len(argv)
+    out = argv[:at]
+    i = at
+    while i < end:
+        if argv[i] == "--tmpfs" and i + 1 < end and argv[i + 1] in TMPFS and out[-2:-1] != ["--size"]:
+            out += ["--size", str(size)]
+        out.append(argv[i])
+        i += 1
+    return out + argv[end:]
 
 
 @functools.cache

@@ -4,6 +4,7 @@ server in this process and one on another machine."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable
 
@@ -11,6 +12,7 @@ import httpx
 
 from .protocol import Group, GroupsReply, GroupsRequest, PolicyReport, PolicyRequest, PolicyStatus, PolicyTarget
 from .spec import TaskRequest
+from .web_guard import auth_headers, client_token
 
 
 class ServerError(RuntimeError):
@@ -18,9 +20,14 @@ class ServerError(RuntimeError):
 
 
 class ServerClient:
-    def __init__(self, url: str, timeout: float = 120.0):
+    """token: the server's bearer token (a server beyond loopback asks for one); None: the
+    token_file's, else $POLAR_ROLLOUT_TOKEN_FILE's, else none (a server on loopback)."""
+
+    def __init__(self, url: str, timeout: float = 120.0, token: str | None = None,
+                 token_file: str | os.PathLike | None = None):
         self.url = url.rstrip("/")
-        self.http = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0), trust_env=False)
+        self.http = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0), trust_env=False,
+                                 headers=auth_headers(client_token(token, token_file)))
 
     def close(self) -> None:
         self.http.close()

@@ -9,6 +9,11 @@ error answers {"error": {"message": ...}}, mapped from the exception's type: Tas
 (a rerun resumes it), TaskChanged 422 (with "changed"), any other TaskError 400, no such task
 404, and state that could not be saved 503 (the client retries).
 
+In front of every route (server.py wraps the app): web_guard.py, which answers only the
+server's own Host names (421 otherwise: DNS rebinding), takes no POST without
+`content-type: application/json` (415: a cross-site form or no-cors fetch), and asks for the
+bearer token once the server has one (401; always beyond loopback).
+
 Every endpoint is a plain `def`: FastAPI runs it in a worker thread, so a heartbeat that waits
 on DuckDB (its events are durable before the node hears back) never holds the event loop, and
 the other requests go on meanwhile.
@@ -95,6 +100,7 @@ class TestsEvaluatorIn(_In):
     log_parser: Literal[LOG_PARSERS] | None = None      # type: ignore[valid-type]
     timeout: Seconds = 900.0
     exclude: list[StrictStr] | None = None
+    plugins: list[StrictStr] | None = None
 
 
 class ActionIn(_In):
@@ -152,6 +158,8 @@ class TaskIn(_In):
     mcp_servers: dict[str, Any] | None = None
     skills: dict[str, Any] | None = None
     judge: dict[str, Any] | StrictStr | None = None
+    limits: dict[str, Any] | None = Field(None, description="what each session may use: memory, disk, log "
+                                                            "(bytes or \"512MiB\"), pids, nofile, cpus")
 
 
 # -- errors --------------------------------------------------------------------------------------

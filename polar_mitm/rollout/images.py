@@ -8,7 +8,11 @@ archive or from a registry, as long as its copies keep the config's bytes (skope
 a docker archive does; a conversion that re-encodes the config gives another digest: the same
 files unpacked twice, never the wrong ones).
 It is unpacked once (`umoci raw unpack --rootless`: files owned by the node's user, no
-device nodes) into ROOT/<hex>/rootfs, which sessions share read-only.
+device nodes) into ROOT/<hex>/rootfs, which sessions share read-only. An image is data, never
+a program the node trusts: at unpack its setuid/setgid bits and file capabilities
+(security.capability) are stripped (`sanitize`), the cache root and every entry in it are 0700
+(the node's user alone goes in), and skopeo and umoci run by their absolute paths with a clean
+environment.
 
 ROOT holds:
   <hex>/rootfs          the unpacked root filesystem
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -52,6 +57,14 @@ TRANSPORTS = ("oci:", "oci-archive:", "docker-archive:", "docker://", "dir:", "d
 FILE_TRANSPORTS = ("oci:", "oci-archive:", "docker-archive:", "dir:")
 TAG = "image"                   # the tag of the cache's own copy of an image
 META, USED = "image.json", "used"
+SANITIZED = 1                   # image.json's "sanitized": the version of `sanitize` its rootfs went through
+TEST_IMAGE = "polar-test:bookworm"      # the image scripts/build_test_image.sh builds (tests, the bug-fix tasks)
+CACHE_ENV = "POLAR_IMAGE_CACHE"         # where a node unpacks images (default: default_root())
+TOOL_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}   # skopeo's, umoci's: nothing else
+# but these of the node's own: where its registry credentials are, its proxies, the mirror
+# the test image is built from
+PASSED_ENV = ("HOME", "TMPDIR", "REGISTRY_AUTH_FILE", "XDG_RUNTIME_DIR", "HTTPS_PROXY", "https_proxy", "HTTP_PROXY",
+              "http_proxy", "NO_PROXY", "no_proxy", "POLAR_DEBIAN_MIRROR")
 INSPECT_TIMEOUT = 300
 PULL_TIMEOUT = 3600             # a registry pull of a few GB
 UNPACK_TIMEOUT = 3600
@@ -86,13 +99,25 @@ class Entry:
 # ---- running skopeo and umoci
 
 
+def tool_path(name: str) -> str | None:
+    """The absolute path of a program the node runs outside any sandbox (skopeo, umoci,
+    unshare, nsenter, mount, git): found on the node's own PATH (its absolute directories
+    only), then in the system's; never on a PATH that an image or a task set."""
+    mine = [d for d in os.environ.get("PATH", "").split(os.pathsep) if os.path.isabs(d)]
+    return shutil.which(name, path=os.pathsep.join([*mine, TOOL_ENV["PATH"]]))
+
+
 def _run(argv: list[str], what: str, timeout: float) -> bytes:
-    """argv's stdout; ImageError (with the tool's stderr) where it is missing or fails."""
-    exe = shutil.which(argv[0])
+    """argv's stdout; ImageError (with the tool's stderr) where it is missing or fails. The
+    tool is found by its absolute path (tool_path), and runs with a clean environment but the
+    node's own PASSED_ENV."""
+    exe = tool_path(argv[0])
     if exe is None:
         raise ImageError(f"{argv[0]} is not installed (apt-get install {argv[0]}, or scripts/install.sh as root)")
+    env = {**TOOL_ENV, **{k: os.environ[k] for k in PASSED_ENV if k in os.environ}}
     try:
-        done = subprocess.run([exe, *argv[1:]], capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        done = subprocess.run([exe, *argv[1:]], capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                              env=env)
     except subprocess.TimeoutExpired:
         raise ImageError(f"{what}: `{' '.join(argv[:3])} ...` took over {timeout:.0f} s") from None
     except OSError as e:
@@ -179,7 +204,7 @@ def transport(ref: str) -> str:
 
 def _open_lock(path: Path) -> int:
     # O_CLOEXEC: a lock must not live on in skopeo or umoci
-    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
 
 @contextlib.contextmanager
@@ -236,6 +261,41 @@ def _open_up(top: Path) -> None:
             p = os.path.join(dirpath, d)
             if not os.path.islink(p):
                 rwx(p)
+
+
+def sanitize(top: Path) -> int:
+    """Strips what would make a file of the image a privilege on this machine: setuid and
+    setgid bits, and file capabilities (the security.capability attribute). Links are never
+    followed. Returns how many files it changed."""
+    changed = 0
+    for dirpath, dirnames, filenames in os.walk(top):
+        for name in dirnames + filenames:
+            p = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                continue
+            hit = False
+            if st.st_mode & (stat.S_ISUID | stat.S_ISGID):
+                os.chmod(p, stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID))
+                hit = True
+            if stat.S_ISREG(st.st_mode):
+                try:
+                    os.removexattr(p, "security.capability", follow_symlinks=False)
+                    hit = True
+                except OSError:
+                    pass                # none (ENODATA), or a filesystem without xattrs
+            changed += hit
+    return changed
+
+
+def _private(path: Path) -> None:
+    """path made 0700 where this process owns it (the cache's directories)."""
+    with contextlib.suppress(OSError):
+        if path.stat().st_uid == os.geteuid():
+            os.chmod(path, 0o700)
 
 
 def _remove(path: Path) -> None:
@@ -296,7 +356,10 @@ class ImageCache:
         self.max_bytes = max_bytes
         self.unpacks = 0                # unpacks this object did (tests, reports)
         self._count = threading.Lock()
-        (self.root / ".locks").mkdir(parents=True, exist_ok=True)
+        (self.root / ".locks").mkdir(parents=True, exist_ok=True, mode=0o700)
+        # the node's user alone goes in: a rootfs holds the image's files as the image made them
+        for d in (self.root, self.root / ".locks", *(e for e in self.root.iterdir() if e.is_dir())):
+            _private(d)
         self._sweep()
 
     def _lock(self, hexd: str, kind: str) -> Path:
@@ -346,6 +409,8 @@ class ImageCache:
                 took = time.monotonic() - t0
                 with self._count:
                     self.unpacks += 1
+            else:
+                self._resanitize(entry)
             try:
                 if hold:
                     fd = _open_lock(self._lock(hexd, "lease"))
@@ -362,12 +427,24 @@ class ImageCache:
             self.evict(keep={digest})
         return image, fd
 
+    def _resanitize(self, entry: Path) -> None:
+        """An entry unpacked before `sanitize` was (the caller holds its unpack lock)."""
+        meta = json.loads((entry / META).read_text())
+        if meta.get("sanitized") == SANITIZED:
+            return
+        _private(entry)
+        n = sanitize(entry / "rootfs")
+        fresh = entry / f".{META}.tmp"
+        fresh.write_text(json.dumps({**meta, "sanitized": SANITIZED}))
+        os.rename(fresh, entry / META)          # whole for every reader
+        log.info("image cache: %s: stripped setuid/setgid bits and capabilities of %d files", entry.name, n)
+
     def _unpack(self, ref: str, src: str, digest: str, config: dict, entry: Path) -> None:
         """Pulls src into a layout of its own, unpacks it and moves the result to entry, all or
         nothing. The caller holds the digest's unpack lock: a .tmp- left by a crash is stale."""
         tmp = self.root / f".tmp-{entry.name}"
         _remove(tmp)
-        tmp.mkdir()
+        tmp.mkdir(mode=0o700)
         try:
             layout = f"{tmp}/layout"
             what = f"image {ref}"
@@ -382,12 +459,13 @@ class ImageCache:
             if pulled_config != config:
                 raise ImageError(f"{what} changed while it was pulled (config {digest}, then {pulled}): try again")
             out = tmp / "entry"
-            out.mkdir()
+            out.mkdir(mode=0o700)
             _run(["umoci", "raw", "unpack", "--rootless", "--image", f"{layout}:{TAG}", str(out / "rootfs")],
                  what, UNPACK_TIMEOUT)
+            sanitize(out / "rootfs")
             size = _du(out / "rootfs")
             meta = {"ref": ref, "digest": digest, "config": config.get("config") or {}, "bytes": size,
-                    "unpack_s": 0.0, "unpacked_at": time.time()}
+                    "unpack_s": 0.0, "unpacked_at": time.time(), "sanitized": SANITIZED}
             (out / META).write_text(json.dumps(meta))
             _touch(out / USED)
             os.rename(out, entry)
@@ -445,6 +523,38 @@ class ImageCache:
 def default_root() -> Path:
     """Where a node keeps its unpacked images unless told otherwise."""
     return cache_dir() / "images" / "unpacked"
+
+
+def cache_root() -> Path:
+    """Where this node keeps its unpacked images: $POLAR_IMAGE_CACHE, else default_root()."""
+    return Path(os.environ.get(CACHE_ENV) or default_root())
+
+
+def unpacked_here(ref: str) -> Path | None:
+    """The rootfs of ref where this machine already holds it unpacked (in cache_root()), found
+    without pulling anything: a local image only (a layout or an archive; the test image by
+    its name once built), else None. Read only: nothing is locked, made or leased."""
+    try:
+        if ref == TEST_IMAGE:
+            built = cache_dir() / "images" / "build" / "oci"
+            if not (built / "index.json").is_file():
+                return None
+            ref = str(built)
+        src = transport(ref)
+        if not src.startswith(FILE_TRANSPORTS):
+            return None
+        path = src.split(":", 1)[1].split(":", 1)[0]
+        digest = _local_digest(src, os.stat(path).st_mtime_ns)
+    except (ImageError, OSError):
+        return None
+    entry = cache_root() / digest.split(":", 1)[1]
+    return entry / "rootfs" if (entry / META).is_file() else None
+
+
+@functools.lru_cache(maxsize=256)
+def _local_digest(src: str, mtime_ns: int) -> str:
+    """A local image's digest, asked of skopeo once per version of the file (its mtime)."""
+    return _inspect_config(src, f"image {src}")[0]
 
 
 def test_image(out: Path | None = None) -> Path:

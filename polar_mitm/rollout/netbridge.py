@@ -1,12 +1,21 @@
-"""The one way out of an isolated session's network namespace: a unix socket to the proxy.
+"""The one way out of an isolated session's network namespace: a listener on its loopback
+that leads to the proxy.
 
-A session runs in a new network namespace (bwrap's, or `unshare -n` in the fallback sandbox)
-that has only a loopback device, so the harness and whatever commands the model makes it run
-reach nothing, except this: inside, 127.0.0.1:PORT is forwarded over a unix socket (files
-cross namespaces, sockets don't) to the node, which forwards it to the proxy. Run as a script
-inside the namespace, it brings loopback up, listens, forks a forwarder and execs the harness,
-so the harness keeps its own pid and the forwarder dies with it. Standard library only (bwrap
-runs it with `python -I -S`): it starts in milliseconds.
+A session runs in a new network namespace that has only a loopback device, so the harness and
+whatever commands the model makes it run reach nothing, except 127.0.0.1:PORT, which leads to
+the proxy. Two ways to make that:
+
+- NetnsBridge (where the node may make network namespaces: root): the node makes the
+  namespace itself, in a thread of its own, and listens on its loopback there; the sandbox
+  joins it (`nsenter --net=...` around bwrap, with bwrap's --share-net). Nothing of the node
+  runs inside the sandbox, so any image runs (musl, static, distroless, an older glibc), and
+  the listener is up before the sandbox starts.
+- Run as a script inside the namespace (bwrap's own, or `unshare -n` in the fallback sandbox):
+  it brings loopback up, listens, forks a forwarder and execs the harness, so the harness
+  keeps its own pid and the forwarder dies with it; it forwards over a unix socket (files
+  cross namespaces, sockets don't) to UnixToTcp in the node. Standard library only (bwrap
+  runs it with `python -I -S`): it starts in milliseconds. It runs on the node's Python,
+  so in an image only where the image has the node's libc.
 
     python netbridge.py PORT UNIX_SOCKET -- HARNESS ARGV...     (PORT 0: loopback only)
 """
@@ -23,6 +32,7 @@ import sys
 import threading
 
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+CLONE_NEWNET = 0x40000000
 
 
 def die_with_parent() -> None:
@@ -100,11 +110,81 @@ class UnixToTcp:
 
     def close(self) -> None:
         self._stop.set()
-        self._listener.close()
+        _shut(self._listener)
         try:
             os.unlink(self.path)
         except OSError:
             pass
+
+
+def _shut(listener: socket.socket) -> None:
+    # shutdown first: on Linux it wakes the thread blocked in accept(), which close alone
+    # leaves blocked for good (a thread and the namespace kept per session)
+    try:
+        listener.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    listener.close()
+
+
+class NetnsBridge:
+    """A network namespace of the session's own, made by the node, with loopback up and
+    127.0.0.1:port listening in it; each connection is joined to 127.0.0.1:upstream in the
+    node's own namespace (the proxy). `path` is what a sandbox joins (`nsenter --net=PATH`):
+    the node holds the namespace open until close(), and it goes with the node's process.
+    OSError where this process may not make a network namespace (it needs CAP_SYS_ADMIN)."""
+
+    def __init__(self, port: int, upstream: int):
+        self.upstream = upstream
+        made: dict = {}
+        # A thread of its own enters the new namespace and leaves it (setns): namespaces are
+        # per thread, and no other thread of the node ever sees it.
+        t = threading.Thread(target=self._make, args=(port, made), name="netns-bridge")
+        t.start()
+        t.join()
+        if "error" in made:
+            raise made["error"]
+        self._nsfd: int | None = made["nsfd"]
+        self._listener: socket.socket = made["listener"]
+        self.path = f"/proc/{os.getpid()}/fd/{self._nsfd}"
+        self._stop = threading.Event()
+        threading.Thread(target=serve, args=(self._listener, self._connect, self._stop), daemon=True,
+                         name=f"netns-bridge-{port}").start()
+
+    @staticmethod
+    def _make(port: int, made: dict) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if libc.unshare(CLONE_NEWNET) != 0:
+                e = ctypes.get_errno()
+                made["error"] = OSError(e, f"unshare(CLONE_NEWNET): {os.strerror(e)}")
+                return
+            try:
+                made["nsfd"] = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+                loopback_up()
+                listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                listener.bind(("127.0.0.1", port))
+                listener.listen(64)
+                made["listener"] = listener     # a socket stays in the namespace it was made in
+            except OSError as e:
+                made["error"] = e
+                if "nsfd" in made:
+                    os.close(made["nsfd"])
+        finally:
+            libc.setns(home, CLONE_NEWNET)      # back home; the thread ends here either way
+            os.close(home)
+
+    def _connect(self) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", self.upstream))
+
+    def close(self) -> None:
+        self._stop.set()
+        _shut(self._listener)
+        if self._nsfd is not None:
+            os.close(self._nsfd)
+            self._nsfd = None
 
 
 def main(argv: list[str]) -> None:

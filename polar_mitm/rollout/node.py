@@ -17,7 +17,9 @@ READY). A session whose model calls failed because of the backend (as the gatewa
 them: refused connections, timeouts, vLLM's 5xx; however short the outage), whose calls have
 no known policy version, or whose run saw the probe find the backend down, is handed back
 ("released": it runs again, and that never counts as a failed attempt) instead of being
-scored: the backend's failures are not the policy's.
+scored: the backend's failures are not the policy's. An error that a healthy backend
+answered while it served other calls is the request's (request_failed, the gateway's verdict:
+addons/request_failures.py) and is scored like any failure of the policy.
 
 Each session's output is kept: the harness's stdout and stderr (a bounded tail) and the
 evaluator's, with session credentials redacted, in its stats ("harness_output",
@@ -44,13 +46,15 @@ from .. import session_auth, session_ids
 from ..store import rollout_journal as journal
 from . import grading, harnesses, mcp
 from .grading import GradingUnavailable
-from .judge import JudgeError, JudgeSpec, combine, judge_session, judge_transcript, parse_judge
+from .judge import (DIFF_BYTES, JudgeError, JudgeSpec, combine, diff_script, judge_session, judge_transcript,
+                    parse_judge)
 from .protocol import (Assignment, EventDetail, Heartbeat, HeartbeatReply, NodeLoad, PolicyReport, PolicyTarget,
                        RewardRecord, SessionEvent)
 from .rewards import Outcome, failure_reward, reward_record, write_rewards
 from .runtime import LocalRuntime, Runtime, RunResult, Sandbox, SetupError
-from .spec import TaskError, TaskRequest, TestsEvaluator, parse_reward, task_from_json
-from .states import OUTCOMES, RELEASE_CAUSE, TERMINAL, ReleaseCause, Session
+from .spec import Evaluator, TaskError, TaskRequest, TestsEvaluator, parse_reward, task_from_json
+from .states import OUTCOMES, RELEASE_CAUSE, TERMINAL, UNSCORED, ReleaseCause, Session
+from .web_guard import auth_headers
 
 log = logging.getLogger("polar.node")
 
@@ -70,6 +74,7 @@ class NodeConfig:
     control_token: str | None = None   # the proxy's polar_control_token: syncs go through it
     backend_url: str | None = None     # the model backend: probed; the node pauses while it is down
     backend_probe_s: float = 2.0
+    server_token: str | None = None    # the rollout server's bearer token (one beyond loopback asks for it)
 
 
 @dataclass
@@ -84,6 +89,7 @@ class Work:
     outages: int | None = None        # the node's backend outages when its harness started
     calls: dict[str, Any] | None = None   # its call stats (journal.call_stats), read once it ran
     epoch: int | None = None          # the gateway's count of weights it found changed under it, at RUN
+    diff: bytes | None = None         # the tests evaluator's diff of its workspace (the judge reads it)
 
     @property
     def box(self) -> Sandbox:
@@ -94,11 +100,19 @@ class Work:
 
 
 OUTPUT_CHARS = 4000    # the tail of the harness's and of the evaluator's output that is kept
+# An evaluator that runs git in the workspace reads the session's .git/config: none of the
+# commands that config could name (hooks, an fsmonitor, a pager) run.
+GIT_QUIET = {"GIT_CONFIG_COUNT": "3", "GIT_CONFIG_KEY_0": "core.hooksPath", "GIT_CONFIG_VALUE_0": "/dev/null",
+             "GIT_CONFIG_KEY_1": "core.fsmonitor", "GIT_CONFIG_VALUE_1": "false",
+             "GIT_CONFIG_KEY_2": "core.pager", "GIT_CONFIG_VALUE_2": "cat"}
 
 def release_cause(stats: Mapping[str, Any]) -> tuple[ReleaseCause, str] | None:
     """Why a session must not be scored, from its recorded calls (journal.call_stats): some
     failed because of the model backend, or were served with no known policy version. None:
-    its calls are the policy's own (failed requests of its own included)."""
+    its calls are the policy's own (failed requests of its own included: request_failed, an
+    error a healthy backend answered while it served other calls, and session_busy are not
+    among journal.BACKEND_ERROR_KINDS, so a policy cannot have its bad samples rerun by
+    making the backend fail its request)."""
     calls = stats.get("calls") or 0
     failed = stats.get("backend_failed_calls") or 0
     if failed:
@@ -169,7 +183,7 @@ class GatewayNode:
     def __init__(self, cfg: NodeConfig, runtime: Runtime | None = None,
                  launcher: Callable[[str, harnesses.RunContext], harnesses.Launch] = harnesses.launch):
         self.cfg = cfg
-        if cfg.control_token:   # it holds the proxy's secret: its memory is not the sessions' to read
+        if cfg.control_token or cfg.server_token:   # it holds secrets: its memory is not the sessions' to read
             session_auth.make_undumpable()
         self.runtime = runtime or LocalRuntime()
         self.launcher = launcher
@@ -186,7 +200,8 @@ class GatewayNode:
         self._threads: list[threading.Thread] = []
         # Generous: the server answers a heartbeat once its state is saved, which can wait on
         # the database; a slow answer is no reason to give up on the events it carries.
-        self._client = httpx.Client(timeout=httpx.Timeout(120.0, connect=5.0), trust_env=False)
+        self._client = httpx.Client(timeout=httpx.Timeout(120.0, connect=5.0), trust_env=False,
+                                    headers=auth_headers(cfg.server_token))
         self.heartbeats_ok = 0
         # The policy: the server's target, and what this node serves (reported back).
         self._policy_target: PolicyTarget | None = None
@@ -441,16 +456,23 @@ class GatewayNode:
             self._report(w, Session.INIT)
             t0 = time.monotonic()
             try:
-                if w.task.runtime is None:   # a runtime of its own (a test's, a bench's) may take no image
-                    w.sandbox = self.runtime.prepare(w.session_id, w.task.workspace)
-                else:
-                    w.sandbox = self.runtime.prepare(w.session_id, w.task.workspace, w.task.runtime)
+                # a runtime of its own (a test's, a bench's) may take no image, nor limits
+                kw: dict[str, Any] = {"limits": w.task.limits} if w.task.limits else {}
+                if w.task.runtime is not None:
+                    kw["runtime"] = w.task.runtime
+                w.sandbox = self.runtime.prepare(w.session_id, w.task.workspace, **kw)
             except (SetupError, OSError) as e:
                 self._report(w, Session.FAILED, reason=f"set-up failed: {e}")
                 continue
             except Exception as e:   # the runtime's own failure: this INIT worker goes on
                 log.exception("setting up %s failed", w.session_id)
                 self._report(w, Session.FAILED, reason=f"set-up failed: {type(e).__name__}: {e}")
+                continue
+            unfit = getattr(w.sandbox, "unfit_for", lambda harness: None)(w.task.harness)
+            if unfit:   # the image cannot run the harness: the task's environment, never the policy's failure
+                w.sandbox.teardown()
+                w.sandbox = None
+                self._report(w, Session.FAILED, reason=f"set-up failed: {unfit}", stats={UNSCORED: "image_unfit"})
                 continue
             w.stats["init_s"] = round(time.monotonic() - t0, 3)
             if w.task.runtime is not None:   # of INIT: pulling and unpacking the image (0: cached)
@@ -534,6 +556,12 @@ class GatewayNode:
             return
         if r is None:
             raise RuntimeError(f"{w.session_id} reached POST_RUN without a run")
+        if r.usage:
+            w.stats["usage"] = r.usage      # of its limits (runtime.RunResult.usage)
+        if r.limit is not None:      # its own doing, whatever it exited with: the policy's failure
+            w.stats["limit"] = r.limit.name
+            self._failed(w, r.limit.reason)
+            return
         if r.timed_out:
             # The calls made so far stay in the database; the session scores 0.
             why = f"harness timed out after {w.task.timeout:g}s"
@@ -549,19 +577,17 @@ class GatewayNode:
                 reward, reason = self._grade_tests(w, w.task.evaluator)
             except (SetupError, GradingUnavailable, OSError) as e:   # the grader's environment: not the policy's
                 self._report(w, Session.FAILED, reason=f"grading failed: {session_auth.redact(str(e))[-500:]}",
-                             stats=self._stats(w))
+                             stats={**self._stats(w), UNSCORED: True})
                 return
         elif w.task.evaluator is not None:
             t0 = time.monotonic()
-            ev, box = w.task.evaluator, w.box
-            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(box.home),
-                   "LANG": "C.UTF-8", "POLAR_SESSION": w.session_id, "POLAR_TASK": w.task.task_id,
-                   # the sample's index in its group, and the harness's output (its final answer)
-                   "POLAR_SAMPLE": session_ids.sample_of(w.session_id)}
-            logs = getattr(box, "logs", None)
-            if logs is not None and (Path(logs) / "harness.log").exists():
-                env["POLAR_OUTPUT"] = str(Path(logs) / "harness.log")
-            er = box.run(["/bin/sh", "-c", ev.command], env, ev.timeout, "evaluator")
+            ev = w.task.evaluator
+            try:
+                er = self._evaluate(w, ev)
+            except (SetupError, OSError) as e:   # its sandbox could not be made: the grader's failure
+                self._report(w, Session.FAILED, reason=f"evaluation failed: {session_auth.redact(str(e))[-500:]}",
+                             stats=self._stats(w))
+                return
             w.stats["eval_s"] = round(time.monotonic() - t0, 3)
             w.stats["eval_output"] = session_auth.redact(er.output_tail)[-OUTPUT_CHARS:]
             if er.cancelled:
@@ -569,6 +595,8 @@ class GatewayNode:
                 return
             if er.timed_out:
                 reward, reason = 0.0, f"evaluator timed out after {ev.timeout:g}s"
+            elif er.limit is not None:   # what it ran of the session's went past a limit: no verdict
+                reward, reason = 0.0, f"evaluator: {er.limit.reason}"
             else:
                 try:
                     reward = parse_reward(er.output_tail, er.exit_code)
@@ -589,52 +617,138 @@ class GatewayNode:
                     return
         self._report(w, Session.DONE, reward=reward, reason=reason, stats=self._stats(w))
 
+    def _evaluate(self, w: Work, ev: Evaluator) -> RunResult:
+        """The command evaluator's run, in a fresh sandbox (runtime.EvaluationSandbox): the
+        session's workspace read-only, a fresh HOME and TMPDIR, loopback only; POLAR_OUTPUT a
+        copy the node made of the harness's output. Nothing of what the session left in its
+        HOME, TMPDIR or image layer runs there."""
+        ebox = w.box.evaluation_box(ev.reads)
+        try:
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(ebox.home), "TMPDIR": str(ebox.tmp),
+                   "LANG": "C.UTF-8", "POLAR_SESSION": w.session_id, "POLAR_TASK": w.task.task_id,
+                   # the sample's index in its group, and the harness's output (its final answer)
+                   "POLAR_SAMPLE": session_ids.sample_of(w.session_id), **GIT_QUIET}
+            if ebox.output is not None:
+                env["POLAR_OUTPUT"] = ebox.output
+            return ebox.run(["/bin/sh", "-c", ev.command], env, ev.timeout, "evaluator")
+        finally:
+            ebox.teardown()
+
+    def _judge_diff(self, w: Work) -> bytes | None:
+        """The session's diff for its judge: the tests evaluator's (Work.diff), else one taken
+        in a fresh evaluation sandbox and read from its stdout (judge.diff_script); None where
+        its workspace is no git repository. Never read from a path in the session's space."""
+        if w.diff is not None or isinstance(w.task.evaluator, TestsEvaluator):
+            return w.diff
+        ebox = w.box.evaluation_box()
+        try:
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(ebox.home), "TMPDIR": str(ebox.tmp),
+                   "LANG": "C.UTF-8"}
+            script = diff_script(ebox.inside_workdir, w.task.workspace.commit, grading.EXCLUDED)
+            r = ebox.run(["/bin/sh", "-c", script], env, 120.0, "judge-diff")
+            if r.exit_code != 0:
+                w.stats["judge_diff"] = "none" if r.exit_code == 3 else f"failed (exit {r.exit_code})"
+                return None
+            return ebox.output_of("judge-diff", DIFF_BYTES)
+        finally:
+            ebox.teardown()
+
     def _judged(self, w: Work, spec: JudgeSpec, outcome: float | None) -> float:
         """The judge's score of the session's transcript (read from the database: the calls
-        its harness made), combined with the evaluator's outcome. The judge is asked directly,
-        never through the proxy: its calls are not a session's, and are never trained."""
-        t = judge_transcript(self.cfg.db, w.session_id, w.task.instruction, w.box.tmp / grading.PATCH)
+        its harness made) and its diff (_judge_diff), combined with the evaluator's outcome.
+        The judge is asked directly, never through the proxy: its calls are not a session's,
+        and are never trained."""
+        try:
+            diff = self._judge_diff(w)
+        except (SetupError, OSError) as e:    # a judge without the diff still judges
+            w.stats["judge_diff"] = f"failed: {e}"
+            diff = None
+        t = judge_transcript(self.cfg.db, w.session_id, w.task.instruction, diff)
         result = judge_session(spec, t, self.cfg.backend_url)
         w.stats["judge"] = result.info()
         return combine(outcome, result.score, spec)
 
     def _grade_tests(self, w: Work, ev: TestsEvaluator) -> tuple[float, str | None]:
-        """The session's diff, applied to a fresh copy of the task's environment (its image
-        again, prepare then eval_prepare), where its tests run (grading.py): 1.0 when every
-        one passes, 0.0 for an empty diff or any other outcome. The per-test results are kept
-        in the session's stats ("tests")."""
+        """The session's diff (taken in a fresh evaluation sandbox, read from its stdout, kept
+        in w.diff), applied to a fresh copy of the task's environment (its image again,
+        prepare then eval_prepare), where its tests run under the grader's runner (grading.py):
+        1.0 when every listed test PASSED in the runner's own report, 0.0 otherwise. What the
+        session caused (no .git, a diff that does not apply or is refused, a run that died or
+        tampered) scores 0.0 here; the grader's own failures raise (GradingUnavailable,
+        SetupError, OSError: unscored). The per-test results are kept in stats ("tests")."""
         t0 = time.monotonic()
-        box, rt = w.box, w.task.runtime
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(box.home), "LANG": "C.UTF-8",
-               "TMPDIR": str(box.tmp)}
-        r = box.run(["/bin/sh", "-c", grading.diff_script(box.inside_workdir, ev.exclude)], env, 300.0, "diff")
-        patch = Path(env["TMPDIR"]) / grading.PATCH
-        if r.exit_code != 0 or not patch.exists():
-            raise SetupError(f"taking the session's diff failed (exit {r.exit_code}): {r.output_tail[-300:].strip()}")
-        data = patch.read_bytes()
-        w.stats["diff_bytes"] = len(data)
-        if not data.strip():
-            w.stats["eval_s"] = round(time.monotonic() - t0, 3)
-            return 0.0, "empty diff: the session changed nothing the tests evaluator grades"
-        actions = [*rt.prepare, *rt.eval_prepare] if rt is not None else None
-        fresh = self.runtime.prepare(f"{w.session_id}.eval", w.task.workspace, rt, actions=actions)
+        rt = w.task.runtime
         try:
-            fenv = {**env, "HOME": str(fresh.home), "TMPDIR": str(fresh.tmp)}
-            (fresh.tmp / grading.PATCH).write_bytes(data)
-            er = fresh.run(["/bin/sh", "-c", grading.test_script(ev, fresh.inside_workdir)], fenv, ev.timeout,
-                           "tests")
-            log_text = (fresh.logs / "tests.log").read_text(errors="replace")
+            ebox = w.box.evaluation_box()
+            try:
+                env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(ebox.home),
+                       "TMPDIR": str(ebox.tmp), "LANG": "C.UTF-8"}
+                limit = grading.diff_limit(getattr(getattr(ebox, "limits", None), "log", None))
+                script = grading.diff_script(ebox.inside_workdir, w.task.workspace.commit, ev.exclude, limit)
+                r = ebox.run(["/bin/sh", "-c", script], env, 300.0, grading.DIFF_LOG)
+                data = ebox.output_of(grading.DIFF_LOG, limit + 1)
+            finally:
+                ebox.teardown()
+            if len(data) > limit or r.exit_code == grading.SIGPIPE_EXIT or (r.limit and r.limit.name == "log"):
+                w.stats["diff_bytes"] = len(data)
+                return 0.0, f"the diff is larger than the {limit / (1 << 20):.1f} MiB the tests evaluator grades"
+            if r.limit is not None:
+                return 0.0, f"taking the session's diff: {r.limit.reason}"
+            if r.timed_out:
+                return 0.0, "taking the session's diff timed out after 300s"
+            if r.exit_code != 0:
+                why = grading.diff_failure(r.exit_code)
+                if why is None:
+                    raise GradingUnavailable(f"taking the session's diff failed (exit {r.exit_code}): "
+                                             f"{r.output_tail[-300:].strip()}")
+                return 0.0, why
+            w.diff = data
+            w.stats["diff_bytes"] = len(data)
+            if not data.strip():
+                return 0.0, "empty diff: the session changed nothing the tests evaluator grades"
+            actions = [*rt.prepare, *rt.eval_prepare] if rt is not None else None
+            fresh = self.runtime.prepare(f"{w.session_id}.eval", w.task.workspace, rt, actions=actions,
+                                         **({"limits": w.task.limits} if w.task.limits else {}))
+            try:
+                # written by the node into the fresh sandbox's own TMPDIR before anything runs there
+                run = grading.GradingRun.make(fresh.tmp, ev, fresh.inside_workdir, data,
+                                              pidns=getattr(fresh, "kind", "") == "bwrap")
+                made = run.identity()
+                fenv = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(fresh.home),
+                        "TMPDIR": str(fresh.tmp), "LANG": "C.UTF-8"}
+                er = fresh.run(["/bin/sh", "-c", grading.grade_script(ev, fresh.inside_workdir, fresh.tmp)], fenv,
+                               ev.timeout, "tests")
+                started, refused = run.started(), run.refused()
+                same_dir = run.identity() == made
+                report = run.report() if same_dir else None
+                log = grading.read_log(fresh.logs, "tests") if ev.log_parser == "swebench" else b""
+            finally:
+                fresh.teardown()
+            w.stats["eval_output"] = session_auth.redact(er.output_tail)[-OUTPUT_CHARS:]
+            if not started or er.exit_code == grading.GRADER_BROKEN:
+                if er.cancelled:
+                    return 0.0, "cancelled while grading"
+                raise GradingUnavailable(f"the grading sandbox could not run the tests' runner (exit {er.exit_code}"
+                                         f"{', timed out' if er.timed_out else ''}): {er.output_tail[-300:].strip()}")
+            if er.limit is not None:
+                return 0.0, f"the tests were ended: {er.limit.reason}"
+            if er.timed_out:
+                return 0.0, f"the tests timed out after {ev.timeout:g}s"
+            if er.exit_code == grading.DOES_NOT_APPLY:
+                return 0.0, "the diff does not apply to the task's repository"
+            if er.exit_code == grading.REFUSED:
+                return 0.0, "the tests evaluator refuses the diff: " + ("; ".join(refused[:3]) or "see eval_output")
+            if ev.log_parser == "swebench":
+                g = grading.grade_log(log.decode("utf-8", "replace"), er.exit_code, ev)
+            elif not same_dir:
+                g = grading.grade_report(None, er.exit_code, ev)
+                g.reason = "the verdict's directory was replaced during the run"
+            else:
+                g = grading.grade_report(report, er.exit_code, ev)
+            w.stats["tests"] = g.tests
+            return g.reward, None if g.resolved else g.summary()
         finally:
-            fresh.teardown()
-        w.stats["eval_s"] = round(time.monotonic() - t0, 3)
-        w.stats["eval_output"] = session_auth.redact(er.output_tail)[-OUTPUT_CHARS:]
-        if er.timed_out:
-            return 0.0, f"the tests timed out after {ev.timeout:g}s"
-        if er.exit_code == 5:
-            return 0.0, "the diff does not apply to the task's repository"
-        g = grading.grade(log_text, ev)
-        w.stats["tests"] = g.tests
-        return g.reward, None if g.resolved else g.summary()
+            w.stats["eval_s"] = round(time.monotonic() - t0, 3)
 
     def _failed(self, w: Work, reason: str) -> None:
         """The policy's failure (its harness run or its answer): its task's on_failure says

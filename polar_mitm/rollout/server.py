@@ -40,6 +40,7 @@ from .protocol import (Group, Heartbeat, HeartbeatReply, PolicyStatus, PolicyTar
 from .scheduler import (CallbackDue, Effect, Noted, Scheduler, SessionMoved, SessionState, TaskMoved, TaskState,
                         TaskView)
 from .spec import TaskRequest, check_workspace, parse_task, task_from_json
+from .web_guard import guarded, is_loopback
 from .states import TASK_SETTLED, Callback, Session, Task
 
 log = logging.getLogger("polar.rollout")
@@ -49,8 +50,16 @@ class RolloutServer:
     def __init__(self, db: str, *, host: str = "127.0.0.1", port: int = 0, node_timeout: float = 10.0,
                  max_attempts: int = 3, flush_s: float = 0.2, fold_s: float = 30.0, callback_tries: int = 8,
                  callback_backoff: float = 0.5, callback_timeout: float = 10.0, callback_workers: int = 16,
-                 check_workspaces: bool = True, scheduler: Scheduler | None = None, max_releases: int = 8):
+                 check_workspaces: bool = True, scheduler: Scheduler | None = None, max_releases: int = 8,
+                 token: str | None = None, allowed_hosts: Iterable[str] = ()):
         self.db, self.flush_s, self.callback_workers = str(db), flush_s, callback_workers
+        # The API answers only its own Host names (loopback, the address it listens on,
+        # allowed_hosts) and takes no state change without a JSON body (web_guard.py). token:
+        # every request must carry it as a bearer token; listening beyond loopback, one is made
+        # when none is given (.token: the nodes and clients need it).
+        if token is None and not is_loopback(host):
+            token = secrets.token_urlsafe(32)
+        self.token = token
         # Each change is durable in the journal log (journal_log.py) before it is acted on,
         # and folded into the database's rollout tables every fold_s seconds, or when asked
         # (fold_soon). A fold's DuckDB writes and checkpoint slow the saves that share the disk
@@ -88,8 +97,9 @@ class RolloutServer:
         self._threads: list[threading.Thread] = []
         # The HTTP API (http_api.py: FastAPI on uvicorn, in a thread); bound here, so port 0
         # (any free port) is known in .url at once.
-        self._http = ThreadedUvicorn(make_app(self), host, port, name="rollout-http")
-        self.url = f"http://{host}:{self._http.port}"
+        self._http = ThreadedUvicorn(guarded(make_app(self), host, allowed_hosts, token), host, port,
+                                     name="rollout-http")
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{self._http.port}"
         self._client = httpx.Client(timeout=httpx.Timeout(callback_timeout, connect=min(5.0, callback_timeout)),
                                     trust_env=False, limits=httpx.Limits(max_connections=callback_workers))
 

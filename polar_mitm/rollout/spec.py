@@ -12,7 +12,9 @@ from typing import Any
 from .. import session_ids
 from ..trainer_input import REWARD_COVERS
 from . import mcp
+from .image_fit import check_task
 from .judge import parse_judge
+from .limits import parse_limits
 from .harnesses import DEFAULT as DEFAULT_HARNESS
 from .harnesses import HARNESSES as _REGISTRY
 
@@ -55,10 +57,14 @@ class Workspace:
 
 @dataclass(frozen=True)
 class Evaluator:
-    """Run in the finished workspace: the reward is the float on its last output line, or
-    1.0/0.0 from its exit status when that line is not a number."""
+    """Run in a fresh sandbox that sees the finished workspace read-only (runtime.py,
+    EvaluationSandbox): the reward is the float on its last output line, or 1.0/0.0 from its
+    exit status when that line is not a number."""
     command: str
     timeout: float = 120.0
+    # What else of the session's it reads, read-only: "~/PATH" in its HOME, or (in an image)
+    # an absolute path of its root. Nothing else of the session's HOME, TMPDIR or layer.
+    reads: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -66,19 +72,25 @@ class TestsEvaluator:
     """Graded by the task's tests, as SWE-bench grades: the session's diff of its workspace is
     applied to a fresh copy of the task's environment (the image again, eval_prepare, the
     workspace as the task gave it), where the fail_to_pass and pass_to_pass tests run. 1.0
-    when every one passes, else 0.0; an empty diff scores 0."""
+    when every one passes, else 0.0; an empty diff scores 0. The verdict is the report our
+    pytest runner writes (grading.py); log_parser "swebench" reads test_command's log instead."""
     fail_to_pass: tuple[str, ...]
     pass_to_pass: tuple[str, ...] = ()
-    # {tests}: the test names, shell-quoted; run in the workdir. -rA: pytest's summary lines,
-    # which the log parser reads
-    test_command: str = "python3 -m pytest -rA -p no:cacheprovider {tests}"
-    log_parser: str = "pytest"
+    # log_parser "swebench" only: {tests}: the test names, shell-quoted; run in the workdir.
+    # -rA: pytest's summary lines, which the log parser reads. None: SWEBENCH_COMMAND
+    test_command: str | None = None
+    log_parser: str = "report"
     timeout: float = 900.0
     exclude: tuple[str, ...] = ()       # more paths (globs) left out of the diff
+    plugins: tuple[str, ...] = ()       # pytest plugins (module names) the run loads with -p; no other is
     kind: str = "tests"
+    __test__ = False                    # not a test class, to pytest (tests import it)
 
 
-LOG_PARSERS = ("pytest",)
+# report: our runner's own (grading.py; "pytest", the former name, means it too); swebench:
+# SWE-bench's pytest log parser over test_command's output, which the code under test can forge
+LOG_PARSERS = ("report", "pytest", "swebench")
+SWEBENCH_COMMAND = "python3 -m pytest -rA -p no:cacheprovider {tests}"
 
 
 @dataclass(frozen=True)
@@ -139,12 +151,18 @@ class TaskRequest:
     # The group trains only when at least this fraction of its samples ended with a reward of
     # their own (done and scored); below it the group is reported and left out.
     min_complete_fraction: float = 0.0
+    # What each session may use (limits.py: memory, pids, cpus, nofile, disk, log), over the
+    # node's own limits; its canonical values (bytes, counts), only those the task sets
+    limits: dict = field(default_factory=dict)
 
     def session_ids(self) -> list[str]:
         return [session_ids.make(self.task_id, i) for i in range(self.num_samples)]
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if isinstance(self.evaluator, Evaluator) and not self.evaluator.reads:
+            del d["evaluator"]["reads"]      # as a stored spec from before evaluator.reads reads
+        return d
 
 
 def parse_task(data: Any, *, harness: str | None = None, samples: int | None = None,
@@ -168,19 +186,26 @@ def parse_task(data: Any, *, harness: str | None = None, samples: int | None = N
     on_failure = _one_of(d.get("on_failure", "zero"), ON_FAILURE, "on_failure", task_id)
     covers = _one_of(d.get("reward_covers", "all"), REWARD_COVERS, "reward_covers", task_id)
     runtime = _runtime(d["runtime"], task_id) if d.get("runtime") is not None else None
+    if runtime is not None and runtime.network == "none" and h != "command" and not stored:
+        raise TaskError(f"{task_id}: runtime.network \"none\" leaves a session no route, not even to the model, "
+                        f"which the {h} harness calls: use harness \"command\", or network \"proxy\"")
     # the tests are run in a fresh copy of the task's repository, so there has to be one
     if isinstance(evaluator, TestsEvaluator) and not (runtime or workspace.path or workspace.git):
         raise TaskError(f"{task_id}: the tests evaluator needs the task's repository: a workspace, or a runtime "
                         "image that holds it")
+    if isinstance(evaluator, Evaluator) and runtime is None and any(r.startswith("/") for r in evaluator.reads):
+        raise TaskError(f"{task_id}: evaluator.reads names absolute paths, which only a task with a runtime image "
+                        "has (without one, name paths in the session's HOME: \"~/PATH\")")
     fraction = _fraction(d.get("min_complete_fraction", 0.0), task_id)
     servers, skills = _tools(d, h, task_id)
     judge = _judge(d.get("judge"), task_id)
+    limits = _limits(d.get("limits"), task_id)
     return TaskRequest(task_id=task_id, instruction=instruction, harness=h,
                        workspace=workspace, num_samples=n, timeout=timeout,
                        evaluator=evaluator, priority=priority, callback_url=url, metadata=meta,
                        early_stop=early, command=command, on_failure=on_failure,
                        reward_covers=covers, runtime=runtime, min_complete_fraction=float(fraction),
-                       mcp_servers=servers, skills=skills, judge=judge)
+                       mcp_servers=servers, skills=skills, judge=judge, limits=limits)
 
 
 def _task_fields(data: Any, harness: str | None, samples: int | None) -> dict:
@@ -249,13 +274,35 @@ def _evaluator(ev: Any, task_id: str, stored: bool) -> Evaluator | TestsEvaluato
         return _tests_evaluator(ev, task_id)
     if ev is None:
         return None
-    if not isinstance(ev, dict) or not isinstance(ev.get("command"), str) or set(ev) - {"command", "timeout"}:
-        raise TaskError(f"{task_id}: evaluator must be a shell line, or an object with command and timeout")
+    if not isinstance(ev, dict) or not isinstance(ev.get("command"), str) or set(ev) - {"command", "timeout", "reads"}:
+        raise TaskError(f"{task_id}: evaluator must be a shell line, or an object with command, timeout and reads")
     if not ev["command"].strip() and not stored:   # "" would exit 0: every session scored 1.0
         raise TaskError(f"{task_id}: evaluator must be a non-empty shell line, not {ev['command']!r} "
                         "(a task without an evaluator gives no reward)")
     return Evaluator(command=ev["command"],
-                     timeout=_seconds(ev.get("timeout", 120.0), "evaluator.timeout", task_id))
+                     timeout=_seconds(ev.get("timeout", 120.0), "evaluator.timeout", task_id),
+                     reads=_reads(ev.get("reads", []), task_id))
+
+
+MAX_READS = 32
+
+
+def _reads(value: Any, task_id: str) -> tuple[str, ...]:
+    """evaluator.reads: "~/PATH" (in the session's HOME) or an absolute path (of an image's
+    root), each normalized: no "..", not the root itself."""
+    reads = _strings(value, "evaluator.reads", task_id)
+    if len(reads) > MAX_READS:
+        raise TaskError(f"{task_id}: evaluator.reads names {len(reads)} paths, more than {MAX_READS}")
+    out = []
+    for r in reads:
+        home = r.startswith("~/")
+        path = r[2:] if home else r
+        parts = [p for p in path.split("/") if p not in ("", ".")]
+        if not (home or r.startswith("/")) or not parts or ".." in parts or "\0" in r:
+            raise TaskError(f"{task_id}: evaluator.reads entries are \"~/PATH\" (in the session's HOME) or an "
+                            f"absolute path in its image, below the root and without \"..\", not {r!r}")
+        out.append(("~/" if home else "/") + "/".join(parts))
+    return tuple(dict.fromkeys(out))
 
 
 def _early_stop(early: Any, n: int, task_id: str) -> int | None:
@@ -322,6 +369,13 @@ def _judge(judge: Any, task_id: str) -> dict | None:
     return {"rubric": judge} if isinstance(judge, str) else dict(judge)
 
 
+def _limits(value: Any, task_id: str) -> dict:
+    try:
+        return parse_limits(value)
+    except ValueError as e:
+        raise TaskError(f"{task_id}: {e}") from None
+
+
 def _strings(value, what: str, task_id: str) -> tuple[str, ...]:
     if not isinstance(value, (list, tuple)) or not all(isinstance(x, str) and x.strip() for x in value):
         raise TaskError(f"{task_id}: {what} must be a list of non-empty strings, not {value!r}"[:300])
@@ -336,16 +390,27 @@ def _tests_evaluator(ev: dict, task_id: str) -> TestsEvaluator:
     if not f2p:   # nothing that must turn green: every diff would pass
         raise TaskError(f"{task_id}: evaluator.fail_to_pass must name at least one test")
     p2p = _strings(ev.get("pass_to_pass", []), "evaluator.pass_to_pass", task_id)
-    cmd = ev.get("test_command", TestsEvaluator.test_command)
-    if not isinstance(cmd, str) or "{tests}" not in cmd:
-        raise TaskError(f"{task_id}: evaluator.test_command must be a shell line with {{tests}} where the test "
-                        f"names go, not {cmd!r}")
-    parser = ev.get("log_parser", "pytest")
+    parser = ev.get("log_parser") or "report"
     if parser not in LOG_PARSERS:
         raise TaskError(f"{task_id}: evaluator.log_parser must be one of {', '.join(LOG_PARSERS)}, not {parser!r}")
+    parser = "report" if parser == "pytest" else parser
+    cmd = ev.get("test_command")
+    if cmd is not None and parser != "swebench":
+        # a command of the task's own cannot write the runner's report: only the log parser reads it
+        raise TaskError(f"{task_id}: evaluator.test_command is only used with log_parser \"swebench\" (which "
+                        f"trusts the command's log); the default runs the tests with the grader's own runner")
+    if parser == "swebench":
+        cmd = SWEBENCH_COMMAND if cmd is None else cmd
+        if not isinstance(cmd, str) or "{tests}" not in cmd:
+            raise TaskError(f"{task_id}: evaluator.test_command must be a shell line with {{tests}} where the test "
+                            f"names go, not {cmd!r}")
+    plugins = _strings(ev.get("plugins", []), "evaluator.plugins", task_id)
+    bad = [p for p in plugins if not all(part.isidentifier() for part in p.split("."))]
+    if bad:
+        raise TaskError(f"{task_id}: evaluator.plugins must be module names (pytest -p NAME), not {bad[0]!r}")
     return TestsEvaluator(fail_to_pass=f2p, pass_to_pass=p2p, test_command=cmd, log_parser=parser,
                           timeout=_seconds(ev.get("timeout", 900.0), "evaluator.timeout", task_id),
-                          exclude=_strings(ev.get("exclude", []), "evaluator.exclude", task_id))
+                          exclude=_strings(ev.get("exclude", []), "evaluator.exclude", task_id), plugins=plugins)
 
 
 def _actions(value, what: str, task_id: str) -> tuple[Action, ...]:
@@ -397,7 +462,7 @@ def _runtime(rt, task_id: str) -> RuntimeSpec:
     network = rt.get("network", "proxy")
     if network not in NETWORKS:
         raise TaskError(f"{task_id}: runtime.network must be one of {', '.join(NETWORKS)}, not {network!r} "
-                        "(a session reaches the model proxy and nothing else)")
+                        "(proxy: the model proxy and nothing else; none: loopback alone, the command harness only)")
     engine = rt.get("engine", "bwrap")
     if engine not in ENGINES:
         raise TaskError(f"{task_id}: runtime.engine must be one of {', '.join(ENGINES)}, not {engine!r} "
@@ -443,8 +508,13 @@ def _git(argv: list[str], timeout: float = 60.0) -> subprocess.CompletedProcess 
 def check_workspace(task: TaskRequest) -> None:
     """The task's workspace is there (checked where tasks come in, before any session): a
     directory, or a git repository that has the commit. A remote repository is asked for its
-    refs only (its commits cannot be listed); a TaskError names the task and the path."""
+    refs only (its commits cannot be listed); a TaskError names the task and the path. A
+    harness its image cannot run is refused here too, where the image is unpacked on this
+    machine (image_fit.check_task)."""
     ws, tid = task.workspace, task.task_id
+    unfit = check_task(task)
+    if unfit:
+        raise TaskError(f"{tid}: {unfit}")
     if ws.path:
         if not os.path.isdir(ws.path):
             why = "does not exist" if not os.path.exists(ws.path) else "is not a directory"

@@ -9,7 +9,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import click
 import orjson
@@ -21,6 +21,7 @@ from ..models import DEFAULT_MODEL_NAME, ensure_default_model
 from ..rollout import GatewayNode, NodeConfig, RolloutServer, TaskError, TaskRequest, parse_task
 from ..rollout import harnesses
 from ..rollout.node import probe_backend
+from ..rollout.limits import DEFAULTS as DEFAULT_LIMITS
 from ..rollout.runtime import LocalRuntime
 from ..rollout.spec import check_workspace
 
@@ -98,7 +99,7 @@ class Stack:
     def start_rollouts(self, *, server: str | None, backend: str | None, db: str, work: Path, weights: str,
                        version: int, vllm: VLLMSettings, workers: int, max_tokens: int | None,
                        temperature: float, fold_s: float | None = None,
-                       echo: Callable[[str], None] = click.echo) -> Endpoints:
+                       echo: Callable[[str], None] = click.echo, limits: Mapping[str, Any] | None = None) -> Endpoints:
         """Where the loop's rollouts run: a remote rollout server (its nodes bring their own
         vLLMs: nothing starts here), or on this machine vLLM serving `weights` as policy
         `version` (unless backend: a running one), a rollout server and one gateway node.
@@ -108,13 +109,14 @@ class Stack:
         backend = backend or self.start_model(work, vllm, weights, echo)
         url = self.start_server(db, **({"fold_s": fold_s} if fold_s is not None else {})).url
         self.start_node(db=db, backend=backend, work=work, proxy_port=launch.free_port(), workers=workers,
-                        max_tokens=max_tokens, server_url=url, temperature=temperature,
+                        max_tokens=max_tokens, server_url=url, temperature=temperature, limits=limits,
                         extra_sets=[f"polar_policy_version={version}", f"polar_policy_checkpoint={weights}"])
         return Endpoints(server=url, backend=backend)
 
     def start_node(self, *, db: str, backend: str, work: Path, proxy_port: int, workers: int,
                    max_tokens: int | None, server_url: str, node_id: str | None = None,
-                   extra_sets: list[str] | None = None, temperature: float | None = None) -> GatewayNode:
+                   extra_sets: list[str] | None = None, temperature: float | None = None,
+                   server_token: str | None = None, limits: Mapping[str, Any] | None = None) -> GatewayNode:
         """The proxy (mitmdump) and a gateway node around it. The node alone holds the proxy's
         control token (handed to mitmdump in a file it removes): weight syncs come through
         the node, and each session's credential is made under it."""
@@ -131,10 +133,12 @@ class Stack:
         cfg = NodeConfig(server_url=server_url, proxy_port=proxy_port,
                          ca_path=str(confdir / "mitmproxy-ca-cert.pem"), db=db, control_token=token,
                          init_workers=workers, run_workers=workers, post_workers=max(1, workers // 2),
-                         backend_url=backend)
+                         backend_url=backend, server_token=server_token)
         if node_id:
             cfg.node_id = node_id
-        node = GatewayNode(cfg, runtime=LocalRuntime(work / "sessions")).start()
+        # each session's limits: these (--session-limit) over the defaults, its task's over them
+        runtime = LocalRuntime(work / "sessions", limits=DEFAULT_LIMITS.merged(limits))
+        node = GatewayNode(cfg, runtime=runtime).start()
         self.nodes.append(node)
         return node
 

@@ -192,7 +192,9 @@ def _load_tables(path: str | os.PathLike, timeout: float) -> tuple[list[TaskRow]
 # not because of the request: a refused or dropped connection and vLLM's 503 ("overloaded"),
 # no answer in time ("timeout"), vLLM's other 5xx and answers that are no completion
 # ("backend_error"), and vLLM's 429 ("rate_limit"). The request's own errors (invalid_request,
-# context_too_long, not_found, too_large) and a harness that gave up ("abandoned") are not.
+# context_too_long, not_found, too_large), an error a healthy backend answered while it served
+# other calls ("request_failed": addons/request_failures.py), a session that kept its own calls
+# at the backend past the wait ("session_busy") and a harness that gave up ("abandoned") are not.
 BACKEND_ERROR_KINDS = ("overloaded", "timeout", "backend_error", "rate_limit")
 
 

@@ -33,7 +33,9 @@ class Transcript:
     instruction: str | None
     turns: list[dict]
     final: str                  # the last assistant text ("" when it never wrote any)
-    diff: str | None = None     # the workspace's final diff, when the caller has one (not stored here)
+    # the workspace's final diff, when the node took one (bytes it holds, from a sandbox's
+    # stdout: never a file read from the session's space); not stored here
+    diff: str | None = None
 
 
 # Per call of the session: what picks the main chain's last call.

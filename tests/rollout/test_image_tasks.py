@@ -2,7 +2,9 @@
 task file (examples/bugfix) through a real gateway and rollout server, each session in the
 test image (scripts/build_test_image.sh) under bubblewrap. A `command` harness stands in for
 the model: it applies the right patch (1.0), changes nothing (0.0: an empty diff), or games
-the grader (deletes the failing test, adds a conftest.py that passes everything: 0.0)."""
+the grader (deletes the failing test, adds a conftest.py that passes everything: 0.0; the grader
+puts the test file, the pytest.ini and no conftest.py back, and its runner's report says the
+test FAILED). tests/rollout/test_grader_attacks.py plays every other attack."""
 
 from __future__ import annotations
 

@@ -114,6 +114,7 @@ def test_missing_tools_and_bad_refs_say_so(tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(ImageError, match="skopeo inspect.*failed"):
         cache.get("docker://localhost:1/nothing:1")        # no registry there
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setitem(images.TOOL_ENV, "PATH", str(tmp_path / "empty"))   # nor in the system's directories
     with pytest.raises(ImageError, match=r"skopeo is not installed \(apt-get install skopeo"):
         cache.get("debian:bookworm")
 

@@ -79,7 +79,9 @@ def test_requests_of_the_wrong_type_get_400_naming_the_field(server):
     assert "content-type: application/json" in _error(
         httpx.post(f"{u}/tasks", content=b"task_id=t", headers={"content-type": "application/x-www-form-urlencoded"}),
         415)
-    assert _error(httpx.post(f"{u}/tasks"), 400) == "a JSON body is required"
+    assert _error(httpx.post(f"{u}/tasks", headers={"content-type": "application/json"}), 400) \
+        == "a JSON body is required"
+    assert "content-type: application/json" in _error(httpx.post(f"{u}/tasks"), 415)   # no body, no type
     assert _error(httpx.get(f"{u}/no/such/route"), 404) == "no route /no/such/route"
 
 
@@ -94,7 +96,7 @@ def test_errors_are_mapped_by_type_and_answers_are_typed(server):
     assert _error(httpx.get(f"{u}/tasks/nope"), 404) == "no such task: nope"
     assert _error(httpx.get(f"{u}/tasks/nope/group"), 404) == "no such task: nope"
     assert _error(httpx.post(f"{u}/groups", json={"task_ids": ["t", "x", "y"]}), 404) == "no such task(s): x, y"
-    r = httpx.post(f"{u}/tasks/nope/cancel")
+    r = httpx.post(f"{u}/tasks/nope/cancel", headers={"content-type": "application/json"})   # no body: no reason
     assert r.status_code == 404 and r.json() == {"task_id": "nope", "cancelled": False}
     assert httpx.get(f"{u}/tasks").json() == {"tasks": [{"task_id": "t", "state": "queued"}]}
     # a node: registered, given work, its outcome settled

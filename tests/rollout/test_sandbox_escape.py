@@ -51,6 +51,12 @@ def running(cmd: str) -> list[int]:
     return out
 
 
+def written(root: Path, name: str) -> Path:
+    """Where the probe wrote: the workspace (the harness), or the evaluator's own HOME in its
+    fresh sandbox (kept with its session: the workspace is read-only to it)."""
+    return next(root.glob(f"eval-*/home/escape-{name}.json"), root / "work" / f"escape-{name}.json")
+
+
 def shown(listing) -> list:
     """A listing the sandbox showed; [] where the directory is not there at all."""
     return listing if isinstance(listing, list) else []
@@ -158,7 +164,7 @@ def test_a_session_and_its_evaluator_cannot_get_out_of_the_sandbox(start_proxy, 
     (sib,) = sessions.glob("escape-1-*")
     assert (sib / "work" / "secret.txt").read_text() == "sibling-secret\n"      # it was there
     for name in ("harness", "evaluator"):
-        got = json.loads((root / "work" / f"escape-{name}.json").read_text())
+        got = json.loads(written(root, name).read_text())
         report = json.dumps(got, indent=1)
         print(name, report)
         # in an image, / is the session's own layer over the image: its /etc/shadow is the
@@ -184,8 +190,8 @@ def test_a_session_and_its_evaluator_cannot_get_out_of_the_sandbox(start_proxy, 
         assert sorted(set(shown(got["ls /run"])) - set(image_run)) in ([], ["polar"]), report   # no host sockets
         assert not any(x in p for p in got["processes"] for x in ("-m pytest", "mitmdump", "janitor")), report
         assert len(got["processes"]) < 20, report                               # its own PID namespace
-    harness = json.loads((root / "work" / "escape-harness.json").read_text())
-    evaluator = json.loads((root / "work" / "escape-evaluator.json").read_text())
+    harness = json.loads(written(root, "harness").read_text())
+    evaluator = json.loads(written(root, "evaluator").read_text())
     assert harness["proxy"] == "ESCAPED: 'connected'"       # its one way out, to the proxy
     assert harness["CA cert"].startswith("ESCAPED: b'-----BEGIN CERTIFICATE")
     assert evaluator["proxy"].startswith("blocked")         # the evaluator has none
@@ -230,14 +236,18 @@ def test_what_a_killed_node_left_is_removed_by_the_next_start(tmp_path):
         argv = ["/bin/sh", "-c", "setsid env -i sleep {tok}1 & exec sleep {tok}2"]
         threading.Thread(target=box.run, args=(argv, {{"PATH": os.environ["PATH"]}}, 600, "h"),
                          kwargs={{"proxy_port": {proxy.getsockname()[1]}}}, daemon=True).start()
-        while not box._bridges:
+        for _ in range(600):   # the bridge: a proxy socket's directory, or a namespace the node made
+            if box._bridges or box._netns:
+                break
             time.sleep(0.05)
-        print(box._bridges[0][1], flush=True)
+        print(box._bridges[0][1] if box._bridges else "-", flush=True)
         time.sleep(600)
     """)
     node = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
-        bridge = Path(node.stdout.readline().strip())
+        line = node.stdout.readline().strip()
+        assert line, "the node made no bridge"
+        bridge = Path(line) if line != "-" else None    # None: the namespace the node made, gone with it
         assert until(lambda: running(f"sleep {tok}1") and running(f"sleep {tok}2"), 10), alive(f"sleep {tok}")
         (left,) = [p for p in base.iterdir() if p.is_dir()]
         node.send_signal(signal.SIGKILL)
@@ -245,12 +255,12 @@ def test_what_a_killed_node_left_is_removed_by_the_next_start(tmp_path):
         # its sandbox went with it (PDEATHSIG on bwrap, bwrap's on its PID 1)...
         assert until(lambda: not alive(f"sleep {tok}"), 10), alive(f"sleep {tok}")
         # ...its files stayed, and the next start on the same directory removes them
-        assert left.exists() and (bridge / "proxy.sock").exists(), (list(base.iterdir()), bridge)
+        assert left.exists() and (bridge is None or (bridge / "proxy.sock").exists()), (list(base.iterdir()), bridge)
         live = LocalRuntime(tmp_path / "live", sandbox="bwrap").prepare("live~0", Workspace())
         live.run(["true"], {}, 10, "h", proxy_port=proxy.getsockname()[1])   # a live node's bridge
         live_bridges = [d for _, d in live._bridges]
         LocalRuntime(base, sandbox="bwrap")
-        assert not left.exists() and not bridge.exists(), (list(base.iterdir()), bridge, list(bridge.iterdir()))
+        assert not left.exists() and not (bridge and bridge.exists()), (list(base.iterdir()), bridge)
         assert all(Path(d).exists() for d in live_bridges), live_bridges   # a live node's are left alone
         # a runtime finds the directory held while another runtime or one of its sandboxes lives
         box = LocalRuntime(base, sandbox="bwrap").prepare("t~1", Workspace())

@@ -1,5 +1,6 @@
 """Tries to get out of a session's sandbox, from inside it (the `command` harness, then the
-evaluator), and writes what each attempt got to escape-<NAME>.json in the workspace:
+evaluator), and writes what each attempt got to escape-<NAME>.json in the workspace (or,
+where it is read-only, in its HOME):
 "blocked: <errno>" where it failed, "ESCAPED: ..." where it got through; listings are what
 the sandbox shows. Standard library only. Usage: python escape_probe.py NAME (targets.json,
 written by the test, names the node's paths and ports)."""
@@ -86,5 +87,9 @@ got = {
     "proxy": attempt(tcp, "127.0.0.1", t["proxy_port"]),
     "CA cert": attempt(read, t["ca_cert"]),
 }
-with open(f"escape-{sys.argv[1]}.json", "w") as f:
+try:
+    out = open(f"escape-{sys.argv[1]}.json", "w")
+except OSError:      # the evaluator sees the workspace read-only: its own HOME then
+    out = open(os.path.join(os.environ["HOME"], f"escape-{sys.argv[1]}.json"), "w")
+with out as f:
     json.dump(got, f, indent=1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import sys
 import time
 from collections import Counter
@@ -374,9 +375,11 @@ def rollout(tasks_file, harness, samples, db, backend, workers, max_tokens, port
         life.after = ("sessions in flight were stopped and go back in the queue; rerun the same command "
                       "to resume")
         backend = backend or stack.start_model(work, vllm, model=model)
-        server = stack.start_server(db, port=port)
+        # a token even on loopback: a session in the fallback sandbox shares the node's network
+        server = stack.start_server(db, port=port, token=secrets.token_urlsafe(32))
         stack.start_node(db=db, backend=backend, work=work, proxy_port=launch.free_port(),
-                         workers=workers, max_tokens=max_tokens, server_url=server.url, limits=session_limits)
+                         workers=workers, max_tokens=max_tokens, server_url=server.url, limits=session_limits,
+                         server_token=server.token)
         ids = _submit(server, tasks, changed, on_changed, db)
         run = _watch(server, stack, ids, db)
         _store_rewards(stack, server, ids, db, backend)

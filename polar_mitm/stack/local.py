@@ -32,6 +32,7 @@ class Endpoints:
     (None: a remote server's nodes have their own)."""
     server: str
     backend: str | None
+    token: str | None = None    # the server's bearer token (one this stack started makes one)
 
 
 class Stack:
@@ -107,11 +108,14 @@ class Stack:
         if server:
             return Endpoints(server=server, backend=None)
         backend = backend or self.start_model(work, vllm, weights, echo)
-        url = self.start_server(db, **({"fold_s": fold_s} if fold_s is not None else {})).url
+        # a token even on loopback: a session in the fallback sandbox shares the node's network
+        started = self.start_server(db, token=secrets.token_urlsafe(32),
+                                    **({"fold_s": fold_s} if fold_s is not None else {}))
         self.start_node(db=db, backend=backend, work=work, proxy_port=launch.free_port(), workers=workers,
-                        max_tokens=max_tokens, server_url=url, temperature=temperature, limits=limits,
+                        max_tokens=max_tokens, server_url=started.url, temperature=temperature, limits=limits,
+                        server_token=started.token,
                         extra_sets=[f"polar_policy_version={version}", f"polar_policy_checkpoint={weights}"])
-        return Endpoints(server=url, backend=backend)
+        return Endpoints(server=started.url, backend=backend, token=started.token)
 
     def start_node(self, *, db: str, backend: str, work: Path, proxy_port: int, workers: int,
                    max_tokens: int | None, server_url: str, node_id: str | None = None,

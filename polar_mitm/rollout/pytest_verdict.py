@@ -114,11 +114,25 @@ def _test_dirs(tests):
     return dirs
 
 
+def _test_trees(tests):
+    """The listed tests' directories that are test directories (a component named test*), and
+    their parents that are: everything below one is the task's (a helper module the tests
+    import, their data), and nothing new goes there (a module that shadows the code under
+    test, found first on the prepended sys.path)."""
+    trees = set()
+    for d in _test_dirs(tests):
+        if any(part.startswith(TEST_DIR_PREFIXES) for part in d.split(os.sep)):
+            trees.add(d)
+    return trees
+
+
 def _guarded(path, tests, test_dirs):
     """Is path one the task's own version of which the run sees (its saved copy, or none)?"""
     if _is_config(path):
         return True
     if path in {t.split("::", 1)[0] for t in tests}:
+        return True
+    if any(path.startswith(d + os.sep) for d in _test_trees(tests)):
         return True
     d, name = os.path.split(path)
     # a test package's __init__.py: the listed tests' own directories, and parents named as tests
@@ -234,9 +248,14 @@ def restore(cfg):
             problems.append(f"{p}: a symbolic link the diff made ({kind[2:]})")
         elif kind == "o" and old.get(p) != "o":
             problems.append(f"{p}: not a regular file")
-    # new modules on the run's sys.path that shadow one it imports
+    # new modules on the run's sys.path that shadow one it imports: the standard library's, an
+    # installed package's, or the task's own in another directory of the path (a tests/stats.py
+    # with a right median, found before the stats.py the tests are about)
     protected = _protected_names()
-    for d in sorted(_path_dirs(root, tests, ini, rootdir)):
+    path_dirs = sorted(_path_dirs(root, tests, ini, rootdir))
+    own = {d: {_module_name(os.path.basename(p)) for p in old if os.path.dirname(p) == d} for d in path_dirs}
+    for d in path_dirs:
+        elsewhere = set().union(*(names for other, names in own.items() if other != d))
         for p, kind in new.items():
             if os.path.dirname(p) != d or p in old:
                 continue
@@ -244,6 +263,8 @@ def restore(cfg):
             if name in protected:
                 problems.append(f"{p}: a new module that shadows {name!r} (the standard library's or an "
                                 f"installed package's)")
+            elif name in elsewhere:
+                problems.append(f"{p}: a new module that shadows the task's own {name!r}")
     if problems:
         print("polar: the tests evaluator refuses this diff:\n  " + "\n  ".join(problems[:20]))
         _dump(os.path.join(state, "refused.json"), problems[:50])

@@ -83,6 +83,13 @@ ATTACKS: list[tuple[str, str, str]] = [
                                                   "r.call_and_report.__globals__['check_interactive_exception'] = "
                                                   "lambda *a: False\n" + HOOK.replace("import pytest\n", "")),
      "FAILED"),
+    # a right median where the tests find it first (pytest prepends tests/ to sys.path)
+    ("a tests/stats.py that shadows the code under test", put(
+        "tests/stats.py", "def median(xs):\n    s = sorted(xs)\n    n = len(s)\n"
+        "    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2\n"), "refuses"),
+    ("a pythonpath directory's module that shadows the code under test", put(
+        "lib/stats.py", "def median(xs):\n    return 2.5 if len(xs) % 2 == 0 else sorted(xs)[len(xs) // 2]\n")
+     + " && printf '[pytest]\\npythonpath = lib .\\n' > pytest.ini", "FAILED|refuses"),
     ("a pytest.py that shadows pytest", put("pytest.py", "def main(*a, **k):\n    return 0\n"), "refuses"),
     ("an _pytest/ package that shadows pytest's", put("_pytest/__init__.py", ""), "refuses"),
     ("a pluggy/ package that shadows pluggy", put("pluggy/__init__.py", ""), "refuses"),

@@ -113,7 +113,7 @@ def fake_harness(backend: SimulatedVLLM, d: Draw) -> None:
 class FakeSandbox:
     def __init__(self, backend: SimulatedVLLM, d: Draw):
         self.backend, self.d = backend, d
-        self.workdir = self.home = Path("/nonexistent")
+        self.workdir = self.home = self.tmp = Path("/nonexistent")
 
     def run(self, argv, env, timeout, log_name, proxy_port=None) -> RunResult:
         t0 = time.monotonic()
@@ -129,12 +129,21 @@ class FakeSandbox:
     def teardown(self) -> None:
         pass
 
+    # the evaluator's fresh sandbox: itself (its evaluation is a sleep of the draw's eval_s)
+    output: str | None = None
+
+    def evaluation_box(self, reads=()) -> "FakeSandbox":
+        return self
+
+    def output_of(self, log_name: str, limit: int) -> bytes:
+        return b""
+
 
 class FakeRuntime:
     def __init__(self, backend: SimulatedVLLM, plan: dict[int, Draw]):
         self.backend, self.plan = backend, plan
 
-    def prepare(self, session_id, workspace) -> FakeSandbox:
+    def prepare(self, session_id, workspace, **_) -> FakeSandbox:
         d = self.plan[session_ids.parse(session_id).sample]
         time.sleep(d.setup_s)
         return FakeSandbox(self.backend, d)

@@ -198,7 +198,9 @@ def test_a_flooding_session_has_at_most_its_cap_at_the_backend_and_a_sibling_goe
     assert peak["flood"] == cap, peak          # never more, and the cap is used
     # 50 calls, 4 at a time, 0.25 s each: ~3.1 s; the sibling's calls meanwhile take ~0.25 s
     assert flood_s >= (n / cap) * 0.25 * 0.9, flood_s
-    assert max(sibling_s) < 1.0, sibling_s
+    # a sibling never waits behind the flood (its last call ~3 s): measured against the flood's
+    # own time, so that a loaded machine slows both alike
+    assert max(sibling_s) < flood_s / 2, (sibling_s, flood_s)
     print(f"\nflood of {n}: {flood_s:.2f}s, peak at the backend {peak['flood']}; sibling latency "
           f"min {min(sibling_s) * 1000:.0f} ms, max {max(sibling_s) * 1000:.0f} ms")
 

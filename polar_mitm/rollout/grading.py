@@ -96,14 +96,16 @@ def diff_limit(log_cap: int | None) -> int:
     return min(DIFF_LIMIT, log_cap - 1) if log_cap else DIFF_LIMIT
 
 
-def diff_script(workdir: str, base: str | None, exclude: tuple[str, ...] = (), limit: int = DIFF_LIMIT) -> str:
+def diff_script(workdir: str, base: str | None, exclude: tuple[str, ...] = (), limit: int = DIFF_LIMIT,
+                binary: bool = True) -> str:
     """Prints the session's diff of its workdir against `base` (its task's commit; None: its
     HEAD) to STDOUT, at most `limit` + 1 bytes (more: too large), and nothing else. Run in
     the session's evaluation sandbox (runtime.EvaluationSandbox: its workspace read-only, the
-    image without the session's layer), as judge.diff_script: the session's repository lends
-    its objects alone; the index and the config (hooks, an fsmonitor, filters) are a fresh
-    repository's, so the diff is git's, not a program of the session's. Exit NO_REPO: no git
-    repository with that commit there; ADD_FAILED: git could not read the workspace."""
+    image without the session's layer): the session's repository lends its objects alone;
+    the index and the config (hooks, an fsmonitor, filters) are a fresh repository's, so the
+    diff is git's, not a program of the session's. Exit NO_REPO: no git repository with that
+    commit there; ADD_FAILED: git could not read the workspace; SIGPIPE_EXIT: cut at the
+    limit. binary False: a judge's diff (binary files named, not encoded)."""
     specs = " ".join(shlex.quote(f":(exclude,glob)**/{p}") + " " + shlex.quote(f":(exclude,glob)**/{p}/**")
                      for p in (*EXCLUDED, *exclude))
     head = shlex.quote(base) if base else '"$(git --git-dir="$w/.git" rev-parse --verify -q "HEAD^{commit}")"'
@@ -121,7 +123,8 @@ def diff_script(workdir: str, base: str | None, exclude: tuple[str, ...] = (), l
             f"git -c core.quotepath=off add -A -- . {specs} >/dev/null || exit {ADD_FAILED}\n"
             "exec 3>&1\n"
             # git diff's own exit status, through fd 4, past the pipe that caps its output
-            "st=$( { { git diff --cached --binary --no-color --no-ext-diff --no-textconv \"$base\"; echo $? >&4; } | "
+            f"st=$( {{ {{ git diff --cached {'--binary ' if binary else ''}--no-color --no-ext-diff --no-textconv "
+            "\"$base\"; echo $? >&4; } | "
             f"head -c {limit + 1} >&3; }} 4>&1 )\n"
             "exit ${st:-1}\n")
 

@@ -34,7 +34,6 @@ import math
 import os
 import re
 import secrets
-import shlex
 import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Sequence
@@ -508,30 +507,6 @@ def judge_transcript(db: str | os.PathLike | None, session_id: str, instruction:
     if diff:
         t = replace(t, diff=diff[-DIFF_BYTES:].decode("utf-8", "replace"))
     return t
-
-
-def diff_script(workdir: str, base: str | None, exclude: Sequence[str] = ()) -> str:
-    """Prints the session's diff of its workdir against `base` (its task's commit; None: its
-    HEAD) for a judge, run in its evaluation sandbox (the workspace read-only), nothing else
-    on stdout (exit 3: no git repository there). The session's repository lends its objects
-    alone: the index, the config (hooks, an fsmonitor, filters: commands it could name) are a
-    fresh repository's own, so the diff is git's, not a program of the session's."""
-    specs = " ".join(shlex.quote(f":(exclude,glob)**/{p}") + " " + shlex.quote(f":(exclude,glob)**/{p}/**")
-                     for p in exclude)
-    head = shlex.quote(base) if base else '"$(git --git-dir="$w/.git" rev-parse --verify -q "HEAD^{commit}")"'
-    return (f"w={shlex.quote(workdir)}\n"
-            "cd \"$w\" 2>/dev/null && [ -d .git/objects ] || exit 3\n"
-            "exec 2>/dev/null\n"
-            "export GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null GIT_TERMINAL_PROMPT=0\n"
-            f"base={head}\n"
-            "[ -n \"$base\" ] || exit 3\n"
-            "g=\"$TMPDIR/judge.git\"\n"
-            "git init -q --bare \"$g\" || exit 4\n"
-            "printf '%s\\n' \"$w/.git/objects\" > \"$g/objects/info/alternates\"\n"
-            "export GIT_DIR=\"$g\" GIT_WORK_TREE=\"$w\" GIT_INDEX_FILE=\"$TMPDIR/judge.index\"\n"
-            "git read-tree \"$base\" || exit 4\n"
-            f"git add -A -- . {specs} >/dev/null || exit 4\n"
-            "exec git diff --cached --no-color --no-ext-diff --no-textconv \"$base\"\n")
 
 
 def judge_session(spec: JudgeSpec, transcript: Transcript, backend_url: str | None,

@@ -46,7 +46,7 @@ from .. import session_auth, session_ids
 from ..store import rollout_journal as journal
 from . import grading, harnesses, mcp
 from .grading import GradingUnavailable
-from .judge import (DIFF_BYTES, JudgeError, JudgeSpec, combine, diff_script, judge_session, judge_transcript,
+from .judge import (DIFF_BYTES, JudgeError, JudgeSpec, combine, judge_session, judge_transcript,
                     parse_judge)
 from .protocol import (Assignment, EventDetail, Heartbeat, HeartbeatReply, NodeLoad, PolicyReport, PolicyTarget,
                        RewardRecord, SessionEvent)
@@ -636,18 +636,20 @@ class GatewayNode:
 
     def _judge_diff(self, w: Work) -> bytes | None:
         """The session's diff for its judge: the tests evaluator's (Work.diff), else one taken
-        in a fresh evaluation sandbox and read from its stdout (judge.diff_script); None where
-        its workspace is no git repository. Never read from a path in the session's space."""
+        in a fresh evaluation sandbox and read from its stdout (grading.diff_script, text only,
+        its first DIFF_BYTES); None where its workspace is no git repository. Never read from a
+        path in the session's space."""
         if w.diff is not None or isinstance(w.task.evaluator, TestsEvaluator):
             return w.diff
         ebox = w.box.evaluation_box()
         try:
             env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(ebox.home), "TMPDIR": str(ebox.tmp),
                    "LANG": "C.UTF-8"}
-            script = diff_script(ebox.inside_workdir, w.task.workspace.commit, grading.EXCLUDED)
+            script = grading.diff_script(ebox.inside_workdir, w.task.workspace.commit, limit=DIFF_BYTES,
+                                         binary=False)
             r = ebox.run(["/bin/sh", "-c", script], env, 120.0, "judge-diff")
-            if r.exit_code != 0:
-                w.stats["judge_diff"] = "none" if r.exit_code == 3 else f"failed (exit {r.exit_code})"
+            if r.exit_code not in (0, grading.SIGPIPE_EXIT):     # cut at DIFF_BYTES: the judge reads that much
+                w.stats["judge_diff"] = "none" if r.exit_code == grading.NO_REPO else f"failed (exit {r.exit_code})"
                 return None
             return ebox.output_of("judge-diff", DIFF_BYTES)
         finally:

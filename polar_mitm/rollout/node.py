@@ -106,6 +106,13 @@ GIT_QUIET = {"GIT_CONFIG_COUNT": "3", "GIT_CONFIG_KEY_0": "core.hooksPath", "GIT
              "GIT_CONFIG_KEY_1": "core.fsmonitor", "GIT_CONFIG_VALUE_1": "false",
              "GIT_CONFIG_KEY_2": "core.pager", "GIT_CONFIG_VALUE_2": "cat"}
 
+def _box_env(box: Sandbox) -> dict[str, str]:
+    """The environment a command of the node's (an evaluator, a diff, the tests) starts with
+    in a sandbox: the node's PATH, and the sandbox's own HOME and TMPDIR."""
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(box.home), "TMPDIR": str(box.tmp),
+            "LANG": "C.UTF-8"}
+
+
 def release_cause(stats: Mapping[str, Any]) -> tuple[ReleaseCause, str] | None:
     """Why a session must not be scored, from its recorded calls (journal.call_stats): some
     failed because of the model backend, or were served with no known policy version. None:
@@ -624,8 +631,7 @@ class GatewayNode:
         HOME, TMPDIR or image layer runs there."""
         ebox = w.box.evaluation_box(ev.reads)
         try:
-            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(ebox.home), "TMPDIR": str(ebox.tmp),
-                   "LANG": "C.UTF-8", "POLAR_SESSION": w.session_id, "POLAR_TASK": w.task.task_id,
+            env = {**_box_env(ebox), "POLAR_SESSION": w.session_id, "POLAR_TASK": w.task.task_id,
                    # the sample's index in its group, and the harness's output (its final answer)
                    "POLAR_SAMPLE": session_ids.sample_of(w.session_id), **GIT_QUIET}
             if ebox.output is not None:
@@ -643,8 +649,7 @@ class GatewayNode:
             return w.diff
         ebox = w.box.evaluation_box()
         try:
-            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(ebox.home), "TMPDIR": str(ebox.tmp),
-                   "LANG": "C.UTF-8"}
+            env = _box_env(ebox)
             script = grading.diff_script(ebox.inside_workdir, w.task.workspace.commit, limit=DIFF_BYTES,
                                          binary=False)
             r = ebox.run(["/bin/sh", "-c", script], env, 120.0, "judge-diff")
@@ -683,8 +688,7 @@ class GatewayNode:
         try:
             ebox = w.box.evaluation_box()
             try:
-                env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(ebox.home),
-                       "TMPDIR": str(ebox.tmp), "LANG": "C.UTF-8"}
+                env = _box_env(ebox)
                 limit = grading.diff_limit(getattr(getattr(ebox, "limits", None), "log", None))
                 script = grading.diff_script(ebox.inside_workdir, w.task.workspace.commit, ev.exclude, limit)
                 r = ebox.run(["/bin/sh", "-c", script], env, 300.0, grading.DIFF_LOG)
@@ -716,8 +720,7 @@ class GatewayNode:
                 run = grading.GradingRun.make(fresh.tmp, ev, fresh.inside_workdir, data,
                                               pidns=getattr(fresh, "kind", "") == "bwrap")
                 made = run.identity()
-                fenv = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(fresh.home),
-                        "TMPDIR": str(fresh.tmp), "LANG": "C.UTF-8"}
+                fenv = _box_env(fresh)
                 er = fresh.run(["/bin/sh", "-c", grading.grade_script(ev, fresh.inside_workdir, fresh.tmp)], fenv,
                                ev.timeout, "tests")
                 started, refused = run.started(), run.refused()

@@ -385,6 +385,12 @@ class LocalSandbox:
             outer = im.mount_argv()
         if joined is not None and nsenter:
             outer = [nsenter, f"--net={joined.path}", "--", *outer]
+        return [*outer, inner[0], *self._env_args(env), *inner[1:]]
+
+    def _env_args(self, env: dict[str, str]) -> list[str]:
+        """bwrap's arguments that set the command's environment inside (--clearenv, --setenv),
+        read from a memory file (--args FD): never on a command line, and none of it reaches
+        the helpers outside. The fd is this sandbox's until its run starts."""
         fd = os.memfd_create("polar-env", os.MFD_CLOEXEC)
         data = memoryview(env_args(env))
         while data:
@@ -393,7 +399,7 @@ class LocalSandbox:
         if self._env_fd is not None:     # a command line made and never started
             os.close(self._env_fd)
         self._env_fd = fd
-        return [*outer, inner[0], "--args", str(fd), *inner[1:]]
+        return ["--args", str(fd)]
 
     def _bridge(self, proxy_port: int) -> str:
         """A unix socket, in a directory of its own, that leads to the proxy's port."""
@@ -669,15 +675,7 @@ class EvaluationSandbox(LocalSandbox):
             spec["mount"] = mount
             user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
             outer = [unshare, *user, "--mount", "--propagation", "private"]
-        fd = os.memfd_create("polar-env", os.MFD_CLOEXEC)     # as LocalSandbox._bwrapped: bwrap --args
-        data = memoryview(env_args(env))
-        while data:
-            data = data[os.write(fd, data):]
-        os.lseek(fd, 0, os.SEEK_SET)
-        if self._env_fd is not None:
-            os.close(self._env_fd)
-        self._env_fd = fd
-        inner = [inner[0], "--args", str(fd), *inner[1:]]
+        inner = [inner[0], *self._env_args(env), *inner[1:]]
         if not (spec["mounts"] or spec["binds"]):
             return [*outer, *inner]
         # the binds go in after bwrap's own (the image's root first), before its --chdir

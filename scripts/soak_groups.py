@@ -68,13 +68,14 @@ def check(db: Path, trial: str) -> list[str]:
                         "GROUP BY 1", [f"{trial}-%"])
     problems += [f"{t}: {n} rewarded sessions in rollout_sessions" for t, n in rows if n > SAMPLES]
     _, rows = query(db, "SELECT task_id, sample, arg_max(state, attempt), arg_max(reward, attempt), "
-                        "arg_max(session_id, attempt) FROM rollout_sessions WHERE task_id LIKE ? GROUP BY 1, 2",
+                        "arg_max(session_id, attempt), arg_max(stats->>'eval_output', attempt) FROM rollout_sessions WHERE task_id LIKE ? GROUP BY 1, 2",
                     [f"{trial}-%"])
     if len(rows) != TASKS * SAMPLES:
         problems.append(f"{len(rows)} samples in rollout_sessions, not {TASKS * SAMPLES}")
-    for task, sample, state, reward, sid in rows:
+    for task, sample, state, reward, sid, said in rows:
         if state != "done" or reward != sample + 0.5:
-            problems.append(f"{session_ids.make(task, sample)}: lost for good ({sid} {state}, reward {reward})")
+            problems.append(f"{session_ids.make(task, sample)}: lost for good ({sid} {state}, reward {reward}, "
+                            f"the evaluator said {said!r})")
     _, rows = query(db, "SELECT session_id, reward FROM sessions WHERE reward IS NOT NULL AND task_id LIKE ?",
                     [f"{trial}-%"])
     _, final = query(db, "SELECT arg_max(session_id, attempt) FROM rollout_sessions WHERE task_id LIKE ? "

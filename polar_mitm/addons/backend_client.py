@@ -5,8 +5,9 @@ counts and the served model, and swaps its weights in a sync."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import orjson
 from mitmproxy import ctx, exceptions
@@ -16,7 +17,10 @@ from polar_mitm.adapters.chat import AdapterError
 
 from .backend_http import BackendHTTP, HTTPError, HTTPTimeout
 from .http_json import JSON_HEADERS
+from .policy_gate import TAG_PREFIX
 from .sync_report import SwapSeconds, SwapStep
+
+log = logging.getLogger("polar")
 
 
 class BackendUnavailable(AdapterError):
@@ -39,9 +43,6 @@ def answered(e: AdapterError, status: int) -> AdapterError:
     return e
 
 
-TAG_PREFIX = "polar-v"
-
-
 def weight_tag(version: int) -> str:
     """The tag a sync gives vLLM's weights: distinct from anything vLLM starts with ("default"),
     so a restarted server (back on the weights of its command line) never passes for version N."""
@@ -51,6 +52,26 @@ def weight_tag(version: int) -> str:
 def untagged(tag: str | None) -> bool:
     """A tag no sync set (vLLM's own "default" at start): the weights of its command line."""
     return tag is None or not tag.startswith(TAG_PREFIX)
+
+
+ROUTES = ("auto", "generate", "chat")
+# How vLLM answers a route it does not have: 404 (an older vLLM), or 403 with its
+# PermissionDeniedError (0.32 started without --enable-scale-out).
+_NO_ROUTE = (b"Not Found", b"PermissionDeniedError", b"--enable-scale-out")
+
+
+class Completion(NamedTuple):
+    """vLLM's answer as a chat completion (from_backend reads it), its prompt token ids as
+    JSON text, and the engine's weight spans over the sampled tokens (None: the chat route,
+    which has none)."""
+    resp: Any
+    prompt_ids: bytes | None
+    weight_versions: list | None
+
+
+def _route_missing(e: AdapterError) -> bool:
+    status = getattr(e, "backend_status", None)
+    return status in (403, 404, 405) and any(m.decode() in str(e) for m in _NO_ROUTE)
 
 
 class BackendClient:
@@ -63,6 +84,12 @@ class BackendClient:
         self.max_model_len: int | None = None           # from the backend's model list
         self._listed = False
         self.has_tokenize = True   # False once the backend said it has no /tokenize
+        # polar_backend_route: "generate" (render -> /inference/v1/generate -> derender: every
+        # token's weight version, from the engine) or "chat" (/v1/chat/completions); auto
+        # takes generate where the backend has it, decided at the first call
+        self.route_wanted = "auto"
+        self.route: str | None = None
+        self.route_note = "not decided yet (at the first call)"
 
     def load(self, loader):
         loader.add_option("polar_backend", str, "http://127.0.0.1:8000",
@@ -72,12 +99,23 @@ class BackendClient:
         loader.add_option("polar_backend_timeout", int, 600, "Seconds to wait for the backend.")
         loader.add_option("polar_max_concurrency", int, 0,
                           "Calls in flight to the backend at once (0: unlimited).")
+        loader.add_option("polar_backend_route", str, "auto",
+                          "How calls reach vLLM: generate (render -> /inference/v1/generate -> "
+                          "derender, with every token's weight version from the engine; vLLM "
+                          "needs --enable-scale-out), chat (/v1/chat/completions, versions from "
+                          "the gateway), or auto (generate where the backend has it).",
+                          choices=ROUTES)
 
     def configure(self, updated):
         if "polar_backend_timeout" in updated and ctx.options.polar_backend_timeout <= 0:
             raise exceptions.OptionsError("polar_backend_timeout must be > 0")
         if "polar_max_concurrency" in updated and ctx.options.polar_max_concurrency < 0:
             raise exceptions.OptionsError("polar_max_concurrency must be >= 0")
+        if "polar_backend_route" in updated or "polar_backend" in updated:
+            self.route_wanted = ctx.options.polar_backend_route
+            self.route = None if self.route_wanted == "auto" else self.route_wanted
+            self.route_note = ("not decided yet (at the first call)" if self.route is None
+                               else f"polar_backend_route={self.route}")
         if "polar_served_model" in updated or "polar_backend" in updated:
             self.served_model = ctx.options.polar_served_model or None
             self._listed = False
@@ -109,15 +147,50 @@ class BackendClient:
             except RuntimeError:   # no loop any more: its sockets go with the process
                 client.closed = True
 
-    async def complete(self, payload: bytes) -> tuple[dict, bytes | None]:
-        """vLLM's answer to a chat completion request (its JSON), and its prompt token ids
-        as JSON text."""
+    async def complete(self, payload: bytes) -> Completion:
+        """vLLM's answer to a chat completion request (payload: its JSON), by the route in
+        force; auto tries generate once and keeps chat where the backend lacks it."""
+        if self.route != "chat":
+            try:
+                return await self._generate(payload)
+            except AdapterError as e:
+                if self.route is not None or not _route_missing(e):
+                    raise
+                self.route, self.route_note = "chat", f"the backend has no token route ({str(e)[:120]})"
+                log.warning("polar: %s: calls go to /v1/chat/completions, with the gateway's versions",
+                            self.route_note)
         resp = await self._post("/v1/chat/completions", payload)
         try:
-            return backend.parse_completion(resp.content)
+            parsed, prompt_ids = backend.parse_completion(resp.content)
         except orjson.JSONDecodeError:
             raise answered(backend.BackendError("the model backend answered with invalid JSON"), resp.status) \
                 from None
+        return Completion(parsed, prompt_ids, None)
+
+    async def _generate(self, payload: bytes) -> Completion:
+        """render -> /inference/v1/generate -> derender: the chat completion vLLM would give,
+        with the engine's weight version spans over the sampled tokens."""
+        rendered = await self._post("/v1/chat/completions/render", payload)
+        prompt = self._parsed(backend.rendered_prompt, rendered.content, rendered.status)
+        if self.route is None:
+            self.route, self.route_note = "generate", "the backend has /inference/v1/generate"
+        generated = await self._post("/inference/v1/generate", rendered.content)   # as rendered, byte for byte
+        gen = self._parsed(orjson.loads, generated.content, generated.status)
+        self._parsed(backend.generate_choice, gen, generated.status)
+        derendered = await self._post("/v1/chat/completions/derender", backend.derender_body(gen, payload, prompt))
+        resp = self._parsed(orjson.loads, derendered.content, derendered.status)
+        merged = self._parsed(lambda r: backend.completion_from_generate(r, gen, prompt), resp, derendered.status)
+        return Completion(merged, prompt.ids_json, merged["weight_versions"] or [])
+
+    @staticmethod
+    def _parsed(parse: Callable[[Any], Any], content: Any, status: int) -> Any:
+        """parse(content); what fails is the backend's answer (its status), for the witness."""
+        try:
+            return parse(content)
+        except orjson.JSONDecodeError:
+            raise answered(backend.BackendError("the model backend answered with invalid JSON"), status) from None
+        except AdapterError as e:
+            raise answered(e, status) from None
 
     async def tokenize(self, backend_body: dict) -> int:
         """The prompt's token count from vLLM's /tokenize, rendered as the completion will be."""

@@ -68,6 +68,8 @@ class Served(NamedTuple):
     logprobs: list[float]
     finish_reason: FinishReason
     usage: Usage
+    # the engine's version of each sampled token (None: the chat route gave no spans)
+    token_versions: list[int | None] | None = None
 
 
 class Failed(NamedTuple):
@@ -99,7 +101,8 @@ def call_record(facts: RequestFacts, outcome: Outcome, *, abandoned: bool) -> Ca
             prompt_tokens=usage["prompt_tokens"], completion_tokens=usage["completion_tokens"],
             usage_json=usage, queue_ms=outcome.waits.queue_ms, backend_ms=outcome.waits.backend_ms,
             error=ABANDONED if abandoned else None, error_kind="abandoned" if abandoned else None,
-            policy_version=outcome.policy_version, dropped=facts.dropped, started_at=facts.started_at)
+            policy_version=outcome.policy_version, dropped=facts.dropped, started_at=facts.started_at,
+            token_versions=outcome.token_versions)
     return CallRecord(
         call_id=facts.call_id, style=facts.style, method=facts.method, path=facts.path,
         stream=facts.stream, requested_model=facts.requested_model,

@@ -28,12 +28,12 @@ from polar_mitm.adapters.detect import is_count_tokens, split_path
 from polar_mitm.store import SessionInfo
 
 from . import option_values, sessions
-from .backend_client import BackendClient
+from .backend_client import BackendClient, Completion
 from .bodies import BodyTooLarge, decoded_body, depth_ok, has_image, header_dict, is_websocket, MAX_BODY_DEPTH
 from .call_outcome import Answer, Dispatch, Failed, Outcome, RequestFacts, Served, Waits, call_record
 from .control import Control
 from .http_json import JSON_HEADERS, internal_error
-from .policy_gate import PolicyGate
+from .policy_gate import PolicyGate, Ticket
 from .proxy_users import ProxyUsers
 from .recorder import Recorder
 from .relay import StreamRelay
@@ -388,13 +388,13 @@ class ModelCalls:
                         sent = time.monotonic()
                         queue_ms = (b0 - q0) * 1000
                         self.witness.sent()
-                        resp_json, prompt_ids = await self.backend.complete(payload)
+                        completion = await self.backend.complete(payload)
                         answered = True
                         backend_ms = (time.perf_counter() - b0) * 1000
                     finally:
                         if slots:
                             slots.release()
-            served = self._served(call, resp_json, prompt_ids, dispatch, Waits(queue_ms, backend_ms), ticket.version)
+            served = self._served(call, completion, dispatch, Waits(queue_ms, backend_ms), ticket)
             returned = True
             self.witness.returned(ok=True)     # a success only once its answer is a completion
             return served
@@ -431,11 +431,17 @@ class ModelCalls:
         params["harness"] = backend.requested_sampling(request)
         return Dispatch(served, params), backend_body
 
-    def _served(self, call: Call, resp_json: Any, prompt_ids: bytes | None, dispatch: Dispatch, waits: Waits,
-                version: int | None) -> Served:
-        """vLLM's answer in the client's format."""
+    def _served(self, call: Call, completion: Completion, dispatch: Dispatch, waits: Waits, ticket: Ticket) -> Served:
+        """vLLM's answer in the client's format, with the versions that sampled it: the
+        engine's own per token where it gave spans, else the gateway's ticket."""
         request = call.answering()
-        result, tokens = backend.from_backend(resp_json, request)
+        result, tokens = backend.from_backend(completion.resp, request)
+        version, versions = ticket.version, None
+        if completion.weight_versions is not None:
+            versions = backend.token_versions(completion.weight_versions, len(tokens["token_ids"]),
+                                              lambda tag: self.gate.version_of_tag(tag, ticket))
+            # the version the call started under: its first token's (no token: the gateway's)
+            version = versions[0] if versions else ticket.version
         answer = call.adapter.from_chat(result, request)
         usage = result["usage"]
         self._prompt_sizes[call.session.session_id] = (len(call.facts.request_text), usage["prompt_tokens"])
@@ -446,8 +452,8 @@ class ModelCalls:
                 "content-type": call.adapter.stream_content_type(request), "cache-control": "no-cache"})
         else:
             sent = Answer(200, orjson.dumps(answer), dict(JSON_HEADERS))
-        return Served(sent, answer, dispatch, waits, version, prompt_ids or b"[]", tokens["token_ids"],
-                      tokens["logprobs"], result["finish_reason"], usage)
+        return Served(sent, answer, dispatch, waits, version, completion.prompt_ids or b"[]", tokens["token_ids"],
+                      tokens["logprobs"], result["finish_reason"], usage, versions)
 
     @staticmethod
     def _failed(call: Call, e: Exception, dispatch: Dispatch | None = None, waits: Waits = Waits()) -> Failed:

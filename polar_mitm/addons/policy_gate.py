@@ -24,6 +24,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from .sync_report import SwapSeconds, SyncReport
 
+# vLLM's weight label for policy version N (backend_client.weight_tag): "polar-vN"
+TAG_PREFIX = "polar-v"
+
 
 @dataclass
 class Ticket:
@@ -31,6 +34,9 @@ class Ticket:
     cannot vouch for it (read it once the call is answered: a loss during the call clears it)."""
     version: int | None
     epoch: int
+    # no tag of the gateway's was on vLLM's weights when the call entered: a token the engine
+    # labelled with vLLM's own "default" is the start version's (version_of_tag)
+    untagged_is_start: bool = False
 
 
 class PolicyGate:
@@ -47,6 +53,9 @@ class PolicyGate:
         self.epoch = 0          # times the gateway lost track of what the backend serves
         self.losses = 0         # of those, the ones where it served something else for sure
         self.suspect = False    # lost only on a suspicion (its connection ended): not for sure yet
+        # a tag of the gateway's is on vLLM's weights (set, or read back): from then on an
+        # untagged token was sampled by weights nobody synced (a restarted vLLM)
+        self.engine_tagged = False
 
     def _events(self) -> tuple[asyncio.Event, asyncio.Event, asyncio.Lock]:
         if self._open is None or self._idle is None or self._syncing is None:   # made on the loop that uses them
@@ -79,6 +88,16 @@ class PolicyGate:
         record it. The epoch stays: calls that ran while it was lost keep None."""
         self.verified, self.suspect = True, False
 
+    def version_of_tag(self, tag: str, ticket: Ticket) -> int | None:
+        """The version of the weights vLLM's engine labelled `tag` (a token's, from its
+        spans): polar-vN is N. vLLM's own label ("default": the weights of its command line)
+        is the version the gateway starts with for a call that entered before the gateway
+        tagged the engine (as /v1/chat/completions calls are vouched for from the start);
+        after that it is a restarted vLLM: None, never trained."""
+        if tag.startswith(TAG_PREFIX) and tag[len(TAG_PREFIX):].isdigit():
+            return int(tag[len(TAG_PREFIX):])
+        return ticket.version if ticket.untagged_is_start else None
+
     @asynccontextmanager
     async def call(self) -> AsyncIterator[Ticket]:
         """Around a call's trip to the backend; yields its ticket (the version that samples it)."""
@@ -93,7 +112,7 @@ class PolicyGate:
         # no await between the check and the count: a sync cannot begin in between
         self.in_flight += 1
         idle.clear()
-        ticket = Ticket(self.version if self.verified else None, self.epoch)
+        ticket = Ticket(self.version if self.verified else None, self.epoch, not self.engine_tagged)
         try:
             yield ticket
         finally:
@@ -145,6 +164,7 @@ class PolicyGate:
                     self.lost()      # half a swap (reloaded, not tagged): what serves is unknown
                 raise
             self.version, self.checkpoint, self.asleep, self.verified = version, checkpoint, False, True
+            self.engine_tagged = True
             self.suspect = False
             return steps
         steps, drained, held, drain_s, swap_s = await self._while_held(go)

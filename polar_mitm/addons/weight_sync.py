@@ -102,6 +102,7 @@ class VersionWatch:
                     tag = self.expected
                 else:
                     self.expected = tag
+                    self.gate.engine_tagged = True
             expected = self.expected
             if tag == expected:
                 if not self.gate.verified and self.gate.suspect:
@@ -137,11 +138,13 @@ class VersionWatch:
         """Tags what vLLM serves now as the gateway's version (AdapterError where it cannot)."""
         await self.backend.set_weight_version(self.gate.version)
         self.expected = weight_tag(self.gate.version)
+        self.gate.engine_tagged = True
 
     async def swap(self, checkpoint: str, version: int, wake: bool) -> SwapSeconds:
         """vLLM reloads checkpoint, tagged as version: the tag the watch expects from then on."""
         steps = await self.backend.swap_weights(checkpoint, version, wake)
         self.expected = weight_tag(version)
+        self.gate.engine_tagged = True
         return steps
 
     def lock(self) -> asyncio.Lock:

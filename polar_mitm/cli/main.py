@@ -17,6 +17,7 @@ from ..models import cache_dir
 from .params import (MAX_TOKENS_OR_NONE, PORT, PORT_OR_ANY, allowed_host_option, backend_option, check_model_dir,
                      check_port_free, db_file, db_option)
 from .rollout import register as register_rollout
+from .sync import TOKEN_FILE, register as register_sync
 from .lifecycle import LongRunning
 from ..stack.local import Stack
 from ..stack.vllm import VLLMSettings, vllm_options
@@ -177,8 +178,8 @@ def addon_path():
 @click.option("--model", default="", help="Serve this model directory (a polar-train checkpoint) instead of the default")
 @vllm_options
 @click.option("--session-auth", is_flag=True,
-              help="Store a call only with its session's credential (`polar-mitm credential NAME`); "
-                   "the control token goes to CONFDIR/control-token")
+              help="Store a call only with its session's credential (`polar-mitm credential NAME`, "
+                   "made under the control token that `up` always keeps in CONFDIR/control-token)")
 def up(db, backend, port, reverse_port, confdir, model, vllm, session_auth):
     """Start vLLM (unless --backend) and the proxy; stop with Ctrl-C or SIGTERM.
 
@@ -193,26 +194,25 @@ def up(db, backend, port, reverse_port, confdir, model, vllm, session_auth):
             check_model_dir(model)
         logs = cache_dir() / "logs"
         logs.mkdir(mode=0o700, parents=True, exist_ok=True)
-        token = new_control_token(Path(confdir)) if session_auth else None
+        # always: `polar-mitm sync` (and `credential`) read it from the same --confdir
+        token = new_control_token(Path(confdir))
         stack = life.stops(Stack())
         backend = stack.start_gateway(db, backend, port, reverse_port, confdir, logs, vllm,
-                                      model=model, control_token=token)
+                                      model=model, control_token=token, session_auth=session_auth)
         click.echo(f"proxy ready: backend {backend}, database {db}\nharness environment:")
         for k, v in launch.proxy_env(port, confdir).items():
             click.echo(f"  export {k}={v}")
-        if token:
+        if session_auth:
             click.echo(f"session credentials are checked: `polar-mitm credential NAME --confdir {confdir}` "
                        "gives a session's proxy URL and API key")
+        click.echo(f"new weights: `polar-mitm sync CHECKPOINT --confdir {confdir} --port {port}`")
         click.echo(f"or point a base URL at http://127.0.0.1:{reverse_port}")
         life.wait(stack)
 
 
-TOKEN_FILE = "control-token"
-
-
 def new_control_token(confdir: Path) -> str:
-    """A new control token, kept in CONFDIR/control-token (this user's only) for `credential`
-    and for whoever syncs by hand; mitmdump gets it in a file of its own that it removes."""
+    """A new control token, kept in CONFDIR/control-token (0600, this user's only) for
+    `credential` and `sync`; mitmdump gets it in a file of its own that it removes."""
     import secrets
     confdir.mkdir(mode=0o700, parents=True, exist_ok=True)
     token = secrets.token_hex(16)
@@ -365,6 +365,7 @@ def _dashboard_dbs(dbs: list[str], run_dir: str | None) -> list[str]:
 
 
 register_rollout(main)
+register_sync(main)
 
 if __name__ == "__main__":
     main()

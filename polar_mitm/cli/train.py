@@ -256,8 +256,8 @@ def format_builders(rows: list[dict]) -> str:
 @click.option("--keep", default=_LOOP["keep"], show_default=True, type=click.IntRange(1), help="Checkpoints kept")
 @vllm_options
 @click.option("--max-staleness", default=_LOOP["max_staleness"], show_default=True, type=click.IntRange(0),
-              help="Policy versions a trained call may lag: 0 is synchronous; with K >= 1 the next "
-                   "iteration's rollouts run while this one trains")
+              help="Policy versions a trained token may lag (older ones are context only): 0 is "
+                   "synchronous; with K >= 1 the next iteration's rollouts run while this one trains")
 @click.option("--server", default="", callback=server_root, help="A running rollout server "
               "(polar-mitm rollout-server) whose nodes (polar-mitm node) sample; each node syncs its vLLM in its heartbeats. The nodes' databases "
               "and the checkpoints must be on a filesystem both sides see")

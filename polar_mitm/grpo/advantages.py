@@ -64,16 +64,29 @@ def group_advantages(rewards: Mapping[str, float], group_of: Mapping[str, str],
 
 
 def token_weights(calls: Sequence[Call], normalization: Normalization = "token") -> list[list[float]]:
-    """Per call, per sampled token: its weight in the step's loss (they sum to 1).
+    """Per call, per sampled token: its weight in the step's loss (they sum to 1 over the
+    trained tokens; a token that is context only, Call.trained, weighs 0).
     token: every trained token counts the same; session: every session counts the same,
-    spread over its tokens."""
+    spread over its trained tokens."""
     if normalization not in NORMALIZATIONS:
         raise ValueError(f"normalization must be one of {NORMALIZATIONS}")
+    trained = [c.trained() for c in calls]
     if normalization == "token":
-        total = sum(len(c.tokens) for c in calls) or 1
-        return [[1.0 / total] * len(c.tokens) for c in calls]
+        total = sum(len(t) for t in trained) or 1
+        return [_spread(len(c.tokens), t, 1.0 / total) for c, t in zip(calls, trained)]
     per_session: dict[str, int] = defaultdict(int)
-    for c in calls:
-        per_session[c.session_id] += len(c.tokens)
-    n_sessions = len(per_session) or 1
-    return [[1.0 / (n_sessions * per_session[c.session_id])] * len(c.tokens) for c in calls]
+    for c, t in zip(calls, trained):
+        per_session[c.session_id] += len(t)
+    n_sessions = sum(1 for n in per_session.values() if n) or 1
+    return [_spread(len(c.tokens), t, 1.0 / (n_sessions * per_session[c.session_id]) if t else 0.0)
+            for c, t in zip(calls, trained)]
+
+
+def _spread(n: int, trained: Sequence[int], weight: float) -> list[float]:
+    """n tokens' weights: `weight` on the trained ones, 0 on the others."""
+    if len(trained) == n:
+        return [weight] * n
+    out = [0.0] * n
+    for j in trained:
+        out[j] = weight
+    return out

@@ -5,7 +5,7 @@ Plain lists: no torch and no duckdb here."""
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from ..trainer_input import Call
@@ -77,3 +77,38 @@ def drift_events(calls: Sequence[Call]) -> list[Drift]:
                     pass
             events.append(Drift(call=best, later=k, at=d, tokens=max(len(re_) - d, rerender)))
     return events
+
+
+@dataclass(frozen=True)
+class Fresh:
+    """The calls at most K versions behind the version being trained, token by token."""
+    calls: list[Call]        # those with a token left to train; their older tokens context only
+    stale_calls: int         # left out: no token left to train
+    tokens: int              # sampled tokens of every call given
+    trained_tokens: int      # of them: trained
+    stale_tokens: int        # context only: sampled more than K versions behind
+    unknown_tokens: int      # context only: sampled by a version not known
+
+    @property
+    def stale_fraction(self) -> float:
+        return self.stale_tokens / self.tokens if self.tokens else 0.0
+
+
+def at_most_stale(calls: Sequence[Call], version: int, max_staleness: int) -> Fresh:
+    """Staleness is per token (a sync in flight splits a call between two versions): a token
+    sampled by a version older than version - max_staleness is masked (Call.min_version), a
+    call with no token left to train is left out."""
+    oldest = version - max_staleness
+    kept: list[Call] = []
+    tokens = trained = stale = unknown = 0
+    for c in calls:
+        before = len(c.trained())                  # masked already: an unknown version
+        cut = replace(c, min_version=oldest if c.min_version is None else max(oldest, c.min_version))
+        now = len(cut.trained())
+        tokens += len(c.tokens)
+        trained += now
+        stale += before - now
+        unknown += len(c.tokens) - before
+        if now:
+            kept.append(cut)
+    return Fresh(kept, len(calls) - len(kept), tokens, trained, stale, unknown)

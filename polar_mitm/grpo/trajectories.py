@@ -3,8 +3,10 @@
 Every builder emits `Sample`s of one shape: a forest laid out depth-first, where each
 position has a parent (-1 for a root) and a depth (its position id), and a list of
 targets: (node, call, j) says that node's token is call.tokens[j], trained with the
-logprob vLLM reported, predicted from the node's parent. A plain sequence is the chain
-parent = i - 1. The three builders differ only in which contexts they run:
+logprob vLLM reported for it, predicted from the node's parent. Only a call's trained
+tokens (Call.trained) are targets: one of an unknown or too old a version (--max-staleness)
+stays in the sequence as context. A plain sequence is the chain parent = i - 1. The three
+builders differ only in which contexts they run:
 
 - per_request: one sequence per call, P_k + R_k.
 - prefix_merging: NVIDIA Polar's algorithm, kept faithfully for comparison (see
@@ -110,8 +112,8 @@ def per_request(calls: Sequence[Call]) -> tuple[list[Sample], int]:
     for k, c in enumerate(calls):
         s = Sample(group=c.group)
         start = s.add_chain(list(c.prompt) + list(c.tokens)) + len(c.prompt)
-        for j, lp in enumerate(c.logprobs):
-            s.add_target(start + j, k, j, lp)
+        for j in c.trained():
+            s.add_target(start + j, k, j, c.logprobs[j])
         samples.append(s)
     return samples, 0
 
@@ -151,7 +153,7 @@ def prefix_merging(calls: Sequence[Call]) -> tuple[list[Sample], int]:
 def _merge_chain(calls: Sequence[Call], chain: list[int], eot: int | None) -> tuple[Sample, int]:
     first = calls[chain[0]]
     stream = list(first.prompt) + list(first.tokens)
-    targets = [(len(first.prompt) + j, chain[0], j, lp) for j, lp in enumerate(first.logprobs)]
+    targets = [(len(first.prompt) + j, chain[0], j, first.logprobs[j]) for j in first.trained()]
     kept = 1
     for prev, k in zip(chain, chain[1:]):
         p_prev, r_prev, p = calls[prev].prompt, calls[prev].tokens, calls[k].prompt
@@ -165,7 +167,7 @@ def _merge_chain(calls: Sequence[Call], chain: list[int], eot: int | None) -> tu
         stream += tail[at + 1:] if r_prev and r_prev[-1] == eot else tail[at:]
         start = len(stream)
         stream += calls[k].tokens
-        targets += [(start + j, k, j, lp) for j, lp in enumerate(calls[k].logprobs)]
+        targets += [(start + j, k, j, calls[k].logprobs[j]) for j in calls[k].trained()]
         kept += 1
     s = Sample(group=first.group)
     s.add_chain(stream)
@@ -198,8 +200,8 @@ def trie(calls: Sequence[Call]) -> tuple[list[Sample], int]:
                 s.parent.append(path[d - 1] if d else -1)
                 s.depth.append(d)
                 path.append(len(s.tokens) - 1)
-            for j, lp in enumerate(c.logprobs):
-                s.add_target(path[len(c.prompt) + j], k, j, lp)
+            for j in c.trained():
+                s.add_target(path[len(c.prompt) + j], k, j, c.logprobs[j])
             prev = seq
         samples.append(s)
     return samples, 0

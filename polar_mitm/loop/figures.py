@@ -19,9 +19,20 @@ def _f(x, spec=".3f") -> str:
 
 def iteration_line(r: IterationRow) -> str:
     return (f"iteration {r['iteration'] + 1} (policy v{r['policy_version']}): reward {_f(r['reward_mean'])} "
-            f"+- {_f(r['reward_std'])}, held-out {_f(r['eval_reward_mean'])}; {r['calls']} calls, "
-            f"loss {_f(r.get('loss'), '+.4f')}; rollouts {r['rollout_s']:.0f}s, training {r['train_s']:.0f}s, "
-            f"sync {r['sync_s']:.1f}s" + _released_part(r))
+            f"+- {_f(r['reward_std'])}, held-out {_f(r['eval_reward_mean'])}; {r['calls']} calls"
+            f"{_tokens_part(r)}, loss {_f(r.get('loss'), '+.4f')}; rollouts {r['rollout_s']:.0f}s, "
+            f"training {r['train_s']:.0f}s, sync {r['sync_s']:.1f}s" + _released_part(r))
+
+
+def _tokens_part(r: IterationRow) -> str:
+    """" (4310 tokens, 12.5% stale)": the sampled tokens trained, and the share of all those
+    read that --max-staleness left as context only (and of an unknown version, if any)."""
+    if r.get("stale_tokens") is None:
+        return ""
+    stale, unknown = r["stale_tokens"], r.get("unknown_version_tokens") or 0
+    read = r["tokens"] + stale + unknown
+    out = f" ({r['tokens']} tokens, {100 * stale / read if read else 0:.1f}% stale"
+    return out + (f", {unknown} of an unknown version)" if unknown else ")")
 
 
 def _released_part(r: IterationRow) -> str:

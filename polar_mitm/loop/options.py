@@ -24,7 +24,7 @@ class LoopOptions:
     max_tokens: int = 512
     keep: int = 2                         # checkpoints kept (~517 MB each for the default model)
     vllm: VLLMSettings = field(default_factory=VLLMSettings)   # how the loop starts vLLM (unless --backend)
-    max_staleness: int = 0                # K: calls of versions >= v - K are trained (K >= 1: async)
+    max_staleness: int = 0                # K: tokens of versions >= v - K are trained (K >= 1: async)
     server: str | None = None             # a running rollout server (its nodes, their vLLMs)
     colocate: bool = False                # one GPU: vLLM sleeps while the trainer runs
     report_to: tuple[str, ...] = ()       # experiment trackers (trackers.TRACKERS)

@@ -1,7 +1,7 @@
 """One iteration of the loop, as named steps, each with a typed result:
 
   rollouts         -> Rollouts        the iteration's tasks through the rollout server, scored
-  trainable_calls  -> TrainableCalls  rewards stored, the calls read back, the stale ones left out
+  trainable_calls  -> TrainableCalls  rewards stored, the calls read back, their stale tokens masked
   train            -> Trained         GRPO on them (vLLM asleep meanwhile under --colocate), saved
   publish_and_sync -> Synced          every node's vLLM on the new version
   record           -> IterationRow    one row, built once from the parts, stored and logged
@@ -22,6 +22,7 @@ import click
 
 from ..addons.sync_report import SyncFigures, SyncReport, slowest
 from ..grpo.advantages import group_stats, no_signal
+from ..grpo.calls import Fresh, at_most_stale
 from ..grpo.config import TrainConfig
 from ..grpo.results import StepMetrics, TrainResult
 from ..rollout.client import ServerClient, ServerError
@@ -214,8 +215,18 @@ def _wait_rollouts(nodes: Nodes, submitted: list[Submitted], label: str) -> dict
 class TrainableCalls:
     groups: dict[str, Group]   # the training tasks' groups with enough usable samples
     data: TrainingData         # their calls as read, with what was skipped
-    fresh: list[Call]          # the calls at most --max-staleness versions behind the policy
-    stale: int                 # the calls left out for being older
+    # their tokens at most --max-staleness versions behind the policy, per token: older ones
+    # (and those of an unknown version) are context only, a call with none left is left out
+    staleness: Fresh
+
+    @property
+    def fresh(self) -> list[Call]:
+        return self.staleness.calls
+
+    @property
+    def stale(self) -> int:
+        """The calls left out: not one token recent enough (or of a known version)."""
+        return self.staleness.stale_calls
 
 
 def trainable_calls(loop: Loop, it: int, done: Rollouts) -> TrainableCalls:
@@ -232,8 +243,8 @@ def trainable_calls(loop: Loop, it: int, done: Rollouts) -> TrainableCalls:
     every = [s for g in done.groups.values() for s in g["sessions"]]   # held-out ones too
     if not _model_calls(every, data):
         raise LoopError(no_calls_error(it, every, {t.spec.harness for t in [*done.train, *done.held_out]}))
-    fresh = [c for c in data.calls if c.policy_version >= loop.state.version - loop.opts.max_staleness]
-    return TrainableCalls(trained, data, fresh, len(data.calls) - len(fresh))
+    fresh = at_most_stale(data.calls, loop.state.version, loop.opts.max_staleness)
+    return TrainableCalls(trained, data, fresh)
 
 
 def _store_rewards(db: str | None, client: ServerClient, submitted: list[Submitted],
@@ -369,8 +380,10 @@ def iteration_row(run_id: str, it: int, version: int, done: Rollouts, calls: Tra
             "eval_reward_n": f.eval_reward_n, "sessions_done": f.sessions["done"],
             "sessions_failed": f.sessions["failed"], "sessions_timed_out": f.sessions["timed_out"],
             "sessions_released": sum(f.released.values()), "released_why": dict(f.released),
-            "per_task": f.per_task, "calls": len(calls.fresh), "tokens": sum(len(c.tokens) for c in calls.fresh),
-            "stale_dropped": calls.stale, "loss": steps[-1].loss if steps else None,
+            "per_task": f.per_task, "calls": len(calls.fresh), "tokens": calls.staleness.trained_tokens,
+            "stale_dropped": calls.stale, "stale_tokens": calls.staleness.stale_tokens,
+            "unknown_version_tokens": calls.staleness.unknown_tokens,
+            "loss": steps[-1].loss if steps else None,
             "clip_frac": steps[-1].clip_frac if steps else None,
             "logprob_abs_diff": steps[0].logprob_abs_diff if steps else None,
             "rollout_s": done.seconds, "train_s": trained.seconds, "sync_s": synced.seconds,
@@ -465,8 +478,8 @@ def _train_error(e: Exception, data: TrainingData, stale: int) -> str:
     if "polar-train reward" not in str(e):
         return str(e)
     skipped = ", ".join(f"{k} {v}" for k, v in sorted(data.skipped.items())) or "none"
-    return (f"none of the {len(data.calls)} calls read could be trained ({stale} older than --max-staleness "
-            f"allows; calls skipped: {skipped})")
+    return (f"none of the {len(data.calls)} calls read could be trained ({stale} with no token as recent as "
+            f"--max-staleness allows; calls skipped: {skipped})")
 
 
 def _rewards(groups: Iterable[Group]) -> list[float]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from ..janitor import janitor
-from .vllm import VLLMSettings
+from .vllm import RL_ARGS, WORKER_EXTENSION_DIR, VLLMSettings
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 TEMPLATES = PACKAGE_DIR / "templates"
@@ -243,11 +243,14 @@ def start_vllm(model_dir: str | Path, *, port: int, served_name: str, log_path: 
     argv = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_name,
             "--enable-auto-tool-choice", "--tool-call-parser", tool_parser,
-            *settings.args(model_dir, chat_template), *(extra_args or [])]
+            *settings.args(model_dir, chat_template), *RL_ARGS, *(extra_args or [])]
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
            # dev mode mounts /collective_rpc (reload_weights) and /reset_prefix_cache: syncs
            "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           # the worker extension's folder (RL_ARGS), for the worker processes' imports
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(WORKER_EXTENSION_DIR),
+                                                       os.environ.get("PYTHONPATH")]))}
     service = Service("vllm", argv, env, log_path)
     try:
         wait_http(f"http://127.0.0.1:{port}/v1/models", service, timeout)

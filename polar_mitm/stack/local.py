@@ -81,16 +81,18 @@ class Stack:
         return sets
 
     def start_gateway(self, db: str, backend: str, port: int, reverse_port: int | None, confdir: str | Path,
-                      logs: Path, vllm: VLLMSettings, model: str = "", control_token: str | None = None) -> str:
+                      logs: Path, vllm: VLLMSettings, model: str = "", control_token: str | None = None,
+                      session_auth: bool = False) -> str:
         """vLLM (unless a backend is given) and the proxy before it; returns the backend.
-        control_token: syncs on, and every call must carry its session's credential."""
+        control_token: syncs on; session_auth (needs it): every call must carry its session's
+        credential."""
         if not backend:
             backend = self.start_model(logs, vllm, model)
         self.add(launch.start_proxy(db=db, backend=backend, port=port, confdir=confdir,
                                     log_path=logs / "mitmdump.log", reverse_port=reverse_port,
                                     control_token=control_token,
                                     extra_sets=self._checkpoint_sets(
-                                        backend, ["polar_session_auth=on"] if control_token else [])))
+                                        backend, ["polar_session_auth=on"] if session_auth else [])))
         return backend
 
     def start_server(self, db: str, **options: Any) -> RolloutServer:

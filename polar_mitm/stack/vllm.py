@@ -20,6 +20,13 @@ from ..models import default_model_dir
 
 TOOLS_TEMPLATE = Path(__file__).resolve().parents[1] / "templates" / "smollm2_tools.jinja"
 
+# The worker extension that pulls weights from the trainer's memory (`/collective_rpc
+# polar_pull_weights`): its folder goes on vLLM's PYTHONPATH (vLLM's Python lacks polar_mitm).
+WORKER_EXTENSION_DIR = Path(__file__).resolve().parents[1] / "vllm_ext"
+WORKER_EXTENSION = "weight_pull.WeightPull"
+# --enable-scale-out: /inference/v1/generate (per-token weight versions), render and derender
+RL_ARGS = ["--worker-extension-cls", WORKER_EXTENSION, "--enable-scale-out"]
+
 
 def _option(help: str) -> dict[str, Any]:
     return {"help": help}

@@ -1,7 +1,7 @@
-"""The call log's line format: one JSON object per call, `{"v":3,"s":{session},"r":{record}}`
-with the key of every column (the loader reads lines strictly). Older versions (2: keys of
-null columns left out; 1: whole requests) are upgraded as they are loaded. Pure functions,
-no I/O."""
+"""The call log's line format: one JSON object per call, `{"v":4,"s":{session},"r":{record}}`
+with the key of every column (the loader reads lines strictly). Older versions (3: no
+token_versions; 2: keys of null columns left out; 1: whole requests) are upgraded as they
+are loaded. Pure functions, no I/O."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ log = logging.getLogger("polar")
 
 SESSION_COLUMNS = ("session_id", "task_id", "source", "client", "user_agent")
 LINE_COLUMNS = [c for c in RECORD_COLUMNS if c != "session_id"]   # a line's "r"
-LINE_MARK = b'{"v":3,'      # log lines of this format: every column's key, null or not
+LINE_MARK = b'{"v":4,'      # log lines of this format: every column's key, null or not
+LINE_V3 = b'{"v":3,'        # the same before token_versions (migration 13)
 LINE_V2 = b'{"v":2,'        # the same without the keys of null columns; older ones carry
                             # whole requests
 
@@ -30,7 +31,7 @@ def dumps(session: dict, rec: dict) -> bytes:
     raw text anyway."""
     session, rec = dict.fromkeys(SESSION_COLUMNS) | session, dict.fromkeys(LINE_COLUMNS) | rec
     try:
-        return orjson.dumps({"v": 3, "s": session, "r": rec}) + b"\n"
+        return orjson.dumps({"v": 4, "s": session, "r": rec}) + b"\n"
     except orjson.JSONEncodeError:
         pass
     rec = dict(rec)
@@ -42,7 +43,7 @@ def dumps(session: dict, rec: dict) -> bytes:
             orjson.dumps(value)
         except orjson.JSONEncodeError:
             rec[col] = {"polar_unstored": "nested too deeply to store"}
-    return orjson.dumps({"v": 3, "s": session, "r": rec}) + b"\n"
+    return orjson.dumps({"v": 4, "s": session, "r": rec}) + b"\n"
 
 
 def loads(line: bytes) -> dict | None:
@@ -93,7 +94,7 @@ def upgrade(line: bytes) -> bytes | None:
     entry = loads(line)
     if not entry:
         return None
-    if line.startswith(LINE_V2):
+    if line.startswith((LINE_V3, LINE_V2)):
         return dumps(entry["s"], entry["r"])
     row = stored_row(entry["s"].get("session_id"), dict(entry["r"]), DeltaCache(budget=0))[0]
     return dumps(entry["s"], row)

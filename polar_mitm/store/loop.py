@@ -53,6 +53,8 @@ class IterationRow(TypedDict, total=False):
     journal_saves: int | None        # the rollout server's journal saves in the iteration
     journal_save_p50_ms: float | None
     journal_save_p99_ms: float | None
+    stale_tokens: int                # sampled tokens context only: more than --max-staleness versions behind
+    unknown_version_tokens: int      # sampled tokens context only: of a version not known
 
 
 def standard_error(std: float | None, n: int | None) -> float | None:

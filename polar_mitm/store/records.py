@@ -58,6 +58,9 @@ class CallRecord:
     policy_version: int | None = None        # the weights that sampled it (None: not known)
     dropped: list[str] | None = None         # provider fields not forwarded
     started_at: float | None = None          # wall time (time.time())
+    # the engine's version of each sampled token (None entries: not polar-mitm's weights);
+    # None: no spans from the backend (the chat fallback), every token is policy_version's
+    token_versions: list[int | None] | None = None
 
     def columns(self) -> dict[str, Any]:
         """Every field by name (not a deep copy, as dataclasses.asdict would make)."""

@@ -25,7 +25,7 @@ _WHOLE_CALLS = """
                c.backend_params, c.response_json, w.prompt_token_ids, c.token_ids, c.logprobs,
                c.finish_reason, c.prompt_tokens, c.completion_tokens, c.usage_json, c.queue_ms,
                c.backend_ms, c.total_ms, c.error, c.error_kind, c.policy_version, c.dropped,
-               c.started_at, c.created_at
+               c.started_at, c.created_at{extra}
         FROM call_records c JOIN whole w USING (call_id)
         WHERE {where_c}"""
 
@@ -73,8 +73,15 @@ _CALL_RECORDS = """CREATE TABLE {name} (
     );"""
 
 
-def _whole_calls(where: str = "TRUE", where_c: str = "TRUE") -> str:
-    return _WHOLE_CALLS.format(where=where, where_c=where_c)
+def _whole_calls(where: str = "TRUE", where_c: str = "TRUE", extra: str = "") -> str:
+    """extra: the columns later migrations add, after created_at (the earlier migrations'
+    SQL stays what it was)."""
+    return _WHOLE_CALLS.format(where=where, where_c=where_c, extra=extra)
+
+
+# The columns added to call_records after its views were first made (each migration that adds
+# one makes the calls view and the session_calls macro again with all of them).
+_LATER_CALL_COLUMNS = ", c.token_versions"
 
 
 # The inspection views, as migration 1 made them over whole calls and migration 2 remakes
@@ -331,6 +338,28 @@ MIGRATIONS: list[str] = [
     ALTER TABLE loop_iterations ADD COLUMN journal_save_p50_ms DOUBLE;
     ALTER TABLE loop_iterations ADD COLUMN journal_save_p99_ms DOUBLE;
     """,
+    # 13: the weight version of every sampled token, as vLLM's engine labelled it
+    # (/inference/v1/generate's weight_versions spans, expanded: one entry per token_ids
+    # entry; a NULL entry: weights no sync of polar-mitm tagged). A call that straddles an
+    # in-flight sync has two. NULL: the backend gave no spans (the /v1/chat/completions
+    # fallback): every token was sampled by policy_version, as the gateway vouched.
+    """
+    ALTER TABLE call_records_main ADD COLUMN token_versions INTEGER[];
+    ALTER TABLE call_records_tail ADD COLUMN token_versions INTEGER[];
+    CREATE OR REPLACE VIEW call_records AS
+        SELECT * FROM call_records_main UNION ALL SELECT * FROM call_records_tail;
+    CREATE OR REPLACE VIEW calls AS""" + _whole_calls(extra=_LATER_CALL_COLUMNS) + """;
+    DROP MACRO TABLE session_calls;
+    CREATE MACRO session_calls(sid) AS TABLE"""
+    + _whole_calls("session_id = sid", "c.session_id = sid", _LATER_CALL_COLUMNS) + """;
+    """,
+    # 14: staleness per token (--max-staleness): the sampled tokens left as context only for
+    # being more than K versions behind, and those of an unknown version; with `tokens` (the
+    # trained ones) they are every sampled token of the calls read.
+    """
+    ALTER TABLE loop_iterations ADD COLUMN stale_tokens BIGINT;
+    ALTER TABLE loop_iterations ADD COLUMN unknown_version_tokens BIGINT;
+    """,
 ]
 
 # What the loader writes to call_records.
@@ -340,6 +369,6 @@ RECORD_COLUMNS = [
     "request_middle", "request_chars", "backend_params", "response_json", "prompt_shared",
     "prompt_suffix", "prompt_len", "token_ids", "logprobs", "finish_reason", "prompt_tokens",
     "completion_tokens", "usage_json", "queue_ms", "backend_ms", "total_ms", "error",
-    "error_kind", "policy_version", "dropped", "started_at", "created_at",
+    "error_kind", "policy_version", "dropped", "started_at", "created_at", "token_versions",
 ]
 JSON_COLUMNS = {"backend_params", "response_json", "usage_json"}

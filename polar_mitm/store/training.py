@@ -22,8 +22,10 @@ from ..session_ids import latest_attempts
 from .db import Reward, reading, store_rewards
 from .delta import apply_prompt
 
-# A call whose policy version is not known (NULL: the gateway could not verify which weights
-# served it) is never trained: its logprobs may be another policy's.
+# A call with no token of a known version is never trained: its logprobs may be another
+# policy's. Known: its token_versions entry (vLLM's own label), or with none recorded, its
+# policy_version (NULL: the gateway could not verify which weights served it). A call with some
+# tokens of an unknown version is kept, those tokens context only (trainer_input.Call.trained).
 UNKNOWN_VERSION_REASON = "policy_version_unknown"
 # Calls vLLM sampled from another distribution than the trainer's, by the first rule that applies.
 SAMPLING_REASONS = ("structured_output", "forced_tool_choice", "truncated_sampling", "logit_processing",
@@ -97,7 +99,7 @@ class TrainingData:
 _SQL = """
 SELECT c.session_id, s.task_id, c.seq, c.call_id, c.base_call, c.prompt_shared,
        c.prompt_suffix, c.token_ids, c.logprobs, c.finish_reason, c.policy_version, s.reward,
-       c.backend_params, c.requested_model,
+       c.backend_params, c.requested_model, {token_versions},
        CASE WHEN c.error_kind = 'abandoned' THEN 'abandoned'
             WHEN c.error IS NOT NULL OR coalesce(c.status_code, 200) >= 400 THEN 'failed' END AS failed
 FROM call_records c LEFT JOIN sessions s USING (session_id)
@@ -122,6 +124,8 @@ class _Row(NamedTuple):
     reward: float | None
     backend_params: bytes | str | None
     model: str | None
+    token_versions: list[int | None] | None   # per sampled token (NULL entry: unknown); NULL: all
+                                              # policy_version's
     failed: str | None   # 'failed', 'abandoned' (the harness gave up on the call), or None
 
 
@@ -176,7 +180,7 @@ def training_calls(dbs: Iterable[str | os.PathLike], *, tasks: list[str] | None 
 
 
 def _selection(tasks: list[str] | None, sessions: list[str] | None) -> tuple[str, list[str]]:
-    """_SQL for the chosen tasks and sessions (all when neither), and its parameters."""
+    """_SQL's condition for the chosen tasks and sessions (all when neither), and its parameters."""
     where: list[str] = ["TRUE"]
     params: list[str] = []
     if tasks:
@@ -185,10 +189,10 @@ def _selection(tasks: list[str] | None, sessions: list[str] | None) -> tuple[str
     if sessions:
         where.append(f"c.session_id IN ({', '.join('?' * len(sessions))})")
         params += list(sessions)
-    return _SQL.format(where=" AND ".join(where)), params
+    return " AND ".join(where), params
 
 
-def _read_stored(dbs: Iterable[str | os.PathLike], sql: str, params: list[str], timeout: float) -> _Stored:
+def _read_stored(dbs: Iterable[str | os.PathLike], where: str, params: list[str], timeout: float) -> _Stored:
     """Every file's selected rows and rewarded sessions, all read before any call is judged:
     a session's reward may be in a file given after its calls' own."""
     stored = _Stored()
@@ -197,12 +201,21 @@ def _read_stored(dbs: Iterable[str | os.PathLike], sql: str, params: list[str], 
         if not path.exists():
             raise FileNotFoundError(f"no database at {path}")
         with reading(path, timeout) as con:
+            sql = _SQL.format(where=where, token_versions="c.token_versions" if _has_token_versions(con)
+                              else "NULL::INTEGER[] AS token_versions")
             stored.files.append((path, [_Row(*row) for row in con.execute(sql, params).fetchall()]))
             for session_id, task_id, reward in con.execute(
                     "SELECT session_id, task_id, reward FROM sessions WHERE reward IS NOT NULL").fetchall():
                 stored.rewards.setdefault(session_id, reward)
                 stored.groups.setdefault(session_id, task_id or session_id)
     return stored
+
+
+def _has_token_versions(con) -> bool:
+    """Whether the file has the column (migration 13); a file no writer of this version has
+    opened yet is read as it is, every call's tokens its policy_version's."""
+    return bool(con.execute("SELECT count(*) FROM information_schema.columns "
+                            "WHERE table_name = 'call_records' AND column_name = 'token_versions'").fetchone()[0])
 
 
 def _keep_trainable(path: Path, rows: list[_Row], rule: _Rule, rewards: Mapping[str, float],
@@ -233,7 +246,7 @@ def _keep_trainable(path: Path, rows: list[_Row], rule: _Rule, rewards: Mapping[
             session_id=row.session_id, group=row.task_id or row.session_id, seq=row.seq,
             prompt=list(prompt), tokens=list(row.tokens), logprobs=[float(x) for x in row.logprobs],
             finish_reason=row.finish, policy_version=policy_version_of(row.version), reward=reward,
-            db=str(path)))
+            db=str(path), token_versions=_token_versions(row.token_versions)))
 
 
 def _with_prompts(rows: list[_Row], skipped: Counter[str]) -> Iterator[tuple[_Row, list[int] | None]]:
@@ -263,9 +276,24 @@ def _untrainable(row: _Row, prompt: list[int] | None, temperature: float | None)
         return "no_token_ids"
     if row.logprobs is None or len(row.logprobs) != len(row.tokens):
         return "logprobs_mismatch"
-    if policy_version_of(row.version) == UNKNOWN_VERSION:
+    if not _known_version(row):
         return UNKNOWN_VERSION_REASON
     return sampling_exclusion(orjson.loads(row.backend_params) if row.backend_params else None, temperature)
+
+
+def _token_versions(stored: list[int | None] | None) -> list[int] | None:
+    """The stored column as the record's: a NULL entry is UNKNOWN_VERSION."""
+    if stored is None:
+        return None
+    return [UNKNOWN_VERSION if v is None else int(v) for v in stored]
+
+
+def _known_version(row: _Row) -> bool:
+    """Whether any of the call's tokens was sampled by a known version. Versions that do not
+    match the tokens one for one say nothing about which token is whose."""
+    if row.token_versions is None:
+        return policy_version_of(row.version) != UNKNOWN_VERSION
+    return len(row.token_versions) == len(row.tokens or ()) and any(v is not None for v in row.token_versions)
 
 
 def _drop_superseded(out: TrainingData, kept_sessions: set[str]) -> set[str]:

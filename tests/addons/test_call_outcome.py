@@ -11,7 +11,7 @@ FACTS = RequestFacts("c1", "openai_chat", "POST", "/v1/chat/completions", 170000
 USAGE = {"prompt_tokens": 3, "completion_tokens": 2}
 SERVED = Served(Answer(200, b'{"id": "x"}', {"content-type": "application/json"}), {"id": "x"},
                 Dispatch("policy", {"model": "policy", "temperature": 1.0, "harness": {}}), Waits(1.5, 20.0),
-                4, b"[1, 2, 3]", [7, 8], [-0.1, -0.2], "stop", USAGE)
+                4, b"[1, 2, 3]", [7, 8], [-0.1, -0.2], "stop", USAGE, [4, 5])
 ERROR_BODY = {"error": {"message": "the model backend is unavailable", "type": "api_error"}}
 
 
@@ -29,7 +29,8 @@ def test_a_served_call_stores_what_was_asked_sampled_and_answered():
         "response_json": {"id": "x"}, "prompt_token_ids": b"[1, 2, 3]", "token_ids": [7, 8],
         "logprobs": [-0.1, -0.2], "finish_reason": "stop", "prompt_tokens": 3, "completion_tokens": 2,
         "usage_json": USAGE, "queue_ms": 1.5, "backend_ms": 20.0, "total_ms": None, "error": None,
-        "error_kind": None, "policy_version": 4, "dropped": ["user"], "started_at": 1700000000.5}
+        "error_kind": None, "policy_version": 4, "dropped": ["user"], "started_at": 1700000000.5,
+        "token_versions": [4, 5]}
 
 
 def test_a_served_call_whose_client_went_away_is_kept_with_that_reason():

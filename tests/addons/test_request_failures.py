@@ -62,9 +62,13 @@ class PoisonableVLLM(FakeVLLM):
 
     def respond(self, method, path, raw):
         tag = None
-        if method == "POST" and path.startswith("/v1/chat/completions"):
+        if method == "POST" and path.startswith(("/v1/chat/completions", "/inference/v1/generate")):
+            asked = raw
+            if path.startswith("/inference"):    # the token route generates what render was given
+                with self.lock:
+                    asked = orjson.dumps(self._rendered.get(orjson.loads(raw).get("request_id")))
             for t in ("flood", "sibling"):
-                if f'"{t}' in raw.decode(errors="replace"):
+                if f'"{t}' in asked.decode(errors="replace") and not path.endswith("/render"):
                     tag = t
         if tag is None:
             return super().respond(method, path, raw)

@@ -78,8 +78,10 @@ def test_with_max_staleness_1_the_next_rollouts_run_during_training(tmp_path):
     for sid, version in rows:
         it = int(sid.split("@")[1].split(".")[1].split("~")[0])
         assert int(version) in (it - 1, it) if it else int(version) == 0, (sid, version)
-    _, rows = query(db, "SELECT iteration, policy_version, stale_dropped, calls FROM loop_iterations ORDER BY 1")
-    assert [r[:3] for r in rows] == [(0, 0, 0), (1, 1, 0), (2, 2, 0)] and all(r[3] > 0 for r in rows)
+    _, rows = query(db, "SELECT iteration, policy_version, stale_dropped, stale_tokens, calls FROM loop_iterations "
+                        "ORDER BY 1")
+    assert [r[:4] for r in rows] == [(0, 0, 0, 0), (1, 1, 0, 0), (2, 2, 0, 0)] and all(r[4] > 0 for r in rows)
+    assert run.output.count("tokens, 0.0% stale") == 3, run.output[-3000:]
 
 
 def test_colocate_puts_vllm_to_sleep_for_training_and_wakes_it_with_the_new_weights(tmp_path):

@@ -36,7 +36,8 @@ def test_two_iterations_in_process_fill_every_column_from_the_steps(tmp_path):
     assert [(r["iteration"], r["policy_version"]) for r in rows] == [(0, 0), (1, 1)]
     # the row is whole: what the steps measured, each in its column (the sync's through SyncReport)
     filled = {"checkpoint", "reward_mean", "reward_std", "reward_n", "sessions_done", "calls",
-              "tokens", "stale_dropped", "loss", "clip_frac", "logprob_abs_diff", "rollout_s", "train_s", "sync_s",
+              "tokens", "stale_dropped", "stale_tokens", "unknown_version_tokens", "loss", "clip_frac",
+              "logprob_abs_diff", "rollout_s", "train_s", "sync_s",
               "sync_drain_s", "sync_reload_s", "sync_reset_s", "journal_saves", "per_task", "released_why"}
     for r in rows:
         assert set(r) >= set(ITERATION_COLUMNS)
@@ -46,6 +47,8 @@ def test_two_iterations_in_process_fill_every_column_from_the_steps(tmp_path):
         assert r["calls"] > 0 and r["sessions_done"] == 4 and json.loads(r["per_task"]).keys() == {"a", "b"}
     assert [line for line in said if line.startswith("iteration ") and "(policy v" in line][-1].startswith(
         "iteration 2 (policy v1): reward")
+    assert all(r["stale_tokens"] == 0 and r["tokens"] > 0 for r in rows)   # K=0: every token the policy's own
+    assert sum("tokens, 0.0% stale" in line for line in said) == 2
     assert any(line.startswith("synced policy v2: drained ") for line in said)
     assert any(line.startswith("iter ver  reward") for line in said)   # the table
 

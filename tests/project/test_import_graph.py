@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2] / "polar_mitm"
 LAYERS = [
     {"polar_mitm.session_ids", "polar_mitm.session_auth", "polar_mitm.trainer_input", "polar_mitm.janitor",
      "polar_mitm.models"},   # the shared kernel: the only modules at the top
-    {"polar_mitm.adapters", "polar_mitm.grpo"},
+    {"polar_mitm.adapters", "polar_mitm.grpo", "polar_mitm.vllm_ext"},
     {"polar_mitm.store"},
     {"polar_mitm.addons", "polar_mitm.rollout"},
     {"polar_mitm.stack", "polar_mitm.loop", "polar_mitm.dashboard"},
@@ -28,6 +28,7 @@ FORBIDDEN = [  # (importer prefix, imported prefix)
     ("polar_mitm.adapters", "mitmproxy"), ("polar_mitm.adapters", "duckdb"),
     ("polar_mitm.loop", "mitmproxy"), ("polar_mitm.loop", "duckdb"),
     ("polar_mitm.rollout", "polar_mitm.addons"), ("polar_mitm.addons", "polar_mitm.rollout"),
+    ("polar_mitm.vllm_ext", "polar_mitm"),   # it runs under vLLM's Python, which lacks polar_mitm
 ]
 
 

@@ -23,6 +23,7 @@ import socket
 import stat
 import struct
 import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
@@ -107,8 +108,9 @@ def test_any_image_runs_or_says_why_it_cannot(start_proxy, tmp_path):
     for tool in FAKE_TOOLS:
         (ws / tool).write_text(f"#!/bin/sh\necho {tool} >> {marker}\n")
         (ws / tool).chmod(0o755)
-    # (its Env names this test's own files: a digest of its own, not unpacked yet)
-    busybox = oci.busybox_image(tmp_path / "busybox", env={"PATH": "work:.:/bin", "LD_PRELOAD": str(preload)})
+    # a digest of its own (a nonce in its Env), not unpacked yet by this or an earlier run
+    busybox = oci.busybox_image(tmp_path / "busybox", env={"PATH": "work:.:/bin", "LD_PRELOAD": str(preload),
+                                                           "POLAR_TEST_NONCE": uuid.uuid4().hex})
     musl = oci.musl_image(tmp_path / "musl", tmp_path)
     port = "${http_proxy##*:}"
     # a model call by hand (busybox's wget sends no POST through a proxy): plain HTTP to the
@@ -135,7 +137,8 @@ def test_any_image_runs_or_says_why_it_cannot(start_proxy, tmp_path):
     with FakeVLLM() as backend:
         proxy = start_proxy(backend.url)
         with Rollouts(proxy, runtime, backend_url=backend.url) as rollouts:
-            groups = rollouts.run([*tasks, pi], timeout=300)
+            # Pi first: submitted before any session unpacks the image, it is refused at set-up
+            groups = rollouts.run([pi, *tasks], timeout=300)
             # the busybox image is unpacked here now: a Pi task on it is refused as it comes in
             with pytest.raises(TaskError, match="cannot run the pi harness.*ld-linux-x86-64.so.2.*libstdc"):
                 rollouts.server.submit({**pi, "task_id": "pi-again"})

@@ -18,6 +18,13 @@ FakeVLLM; its `mode` says how it answers /v1/chat/completions:
               prompt_ids, tokenize) may be overridden: the benchmarks' realistic traffic
               (scripts/workload.py) and the tests' own templates do.
 
+Every mode answers through vLLM's token route too (token_route=True, as vLLM with
+--enable-scale-out): /v1/chat/completions/render, /inference/v1/generate (the same completion,
+sampled token by token: each token labelled with the weight version in force then, in
+weight_versions spans; /pause?mode=keep holds a request at its next token and /resume lets it
+go on, its later tokens the new weights', with logprob_under's logprobs) and
+/v1/chat/completions/derender. token_route=False answers them 403, as vLLM without the flag.
+
 Every mode has vLLM's other endpoints: GET /v1/models (with max_model_len), POST /tokenize,
 and the dev-mode ones a weight sync uses (/sleep, /wake_up, /is_sleeping, /collective_rpc
 reload_weights, /reset_prefix_cache, /update_weight_version, GET /weight_info; 404 with
@@ -39,6 +46,7 @@ import itertools
 import socket
 import threading
 import time
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import orjson
@@ -49,6 +57,9 @@ COMMAND = f"echo {MARKER} > polar_proof.txt && cat polar_proof.txt"
 MODES = ("ok", "500", "badjson", "odd", "context", "scripted")
 ASLEEP = b'{"error":{"message":"asleep","type":"InternalServerError"}}'
 NOT_FOUND = b'{"detail":"Not Found"}'
+CONTEXT_ERROR = b'{"error":{"message":"This model\'s maximum context length is 8192 tokens","type":"BadRequestError"}}'
+SCALE_OUT_DISABLED = (b'{"error":{"message":"Scale-out endpoints are disabled. Restart vllm serve with '
+                      b'--enable-scale-out to enable them.","type":"PermissionDeniedError","code":403}}')
 
 
 def _fit(schema: dict):
@@ -79,7 +90,7 @@ class Dropped(Exception):
 class FakeVLLM:
     def __init__(self, mode: str = "ok", delay: float = 0.0, max_model_len: int | None = None,
                  reload_delay: float = 0.0, dev_mode: bool = True, model: str | None = None,
-                 keep: bool = True, listen: bool = True):
+                 keep: bool = True, listen: bool = True, token_route: bool = True):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
         self.mode, self.delay, self.keep = mode, delay, keep
@@ -104,6 +115,13 @@ class FakeVLLM:
         self._conns: set = set()          # open client connections: they end with the "process"
         self.served_asleep = 0            # generation asked while asleep (must stay 0)
         self._ids = itertools.count(1)
+        # vLLM's token route (--enable-scale-out): render -> /inference/v1/generate -> derender;
+        # without it those answer 403, as vLLM 0.32 does without the flag
+        self.token_route = token_route
+        self._rendered: dict[str, dict] = {}      # request_id -> the chat body it was rendered from
+        self._generated: dict[str, dict] = {}     # request_id -> the chat completion it sampled
+        self.unpaused = threading.Event()         # /pause?mode=keep clears it: tokens wait
+        self.unpaused.set()
         # an outage in progress: "refuse" (connections dropped, the port closed) or "503"
         self.failing: str | None = None
         self.outages: list[tuple[float, float, str]] = []   # (start, end, how), monotonic seconds
@@ -172,14 +190,8 @@ class FakeVLLM:
     def _completion(self, body: dict, weights) -> tuple[int, bytes]:
         if self.mode == "scripted":
             return 200, orjson.dumps(self.answer(body))
-        n, wanted = self.prompt_tokens(body["messages"]), body.get("max_tokens")
-        if self.mode == "ok" and wanted is not None and n + wanted > self.max_model_len:
-            return 400, orjson.dumps({"error": {
-                "message": f"'max_tokens' or 'max_completion_tokens' is too large: {wanted}. "
-                           f"This model's maximum context length is {self.max_model_len} tokens "
-                           f"and your request has {n} input tokens ({wanted} > "
-                           f"{self.max_model_len} - {n}).",
-                "type": "BadRequestError", "param": None, "code": 400}})
+        if (too_long := self._too_long(body)) is not None:
+            return too_long
         if self.mode == "500":
             return 500, b'{"error":{"message":"engine crashed","type":"InternalServerError"}}'
         if self.mode == "badjson":
@@ -187,7 +199,7 @@ class FakeVLLM:
         if self.mode == "odd":  # valid JSON, not a completion
             return 200, b'{"choices": [{"message": null}]}'
         if self.mode == "context":
-            return 400, b'{"error":{"message":"This model\'s maximum context length is 8192 tokens","type":"BadRequestError"}}'
+            return 400, CONTEXT_ERROR
         return 200, orjson.dumps({
             "id": "chatcmpl-fake", "object": "chat.completion", "created": 1, "model": self.model,
             "prompt_token_ids": [1, 2, 3],
@@ -196,6 +208,18 @@ class FakeVLLM:
                          "logprobs": {"content": [{"token": "ok", "logprob": -0.5},
                                                   {"token": "</s>", "logprob": -0.1}]}}],
             "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
+
+    def _too_long(self, body: dict) -> tuple[int, bytes] | None:
+        """The "ok" mode's refusal of prompt + max_tokens past max_model_len (None: it fits)."""
+        n, wanted = self.prompt_tokens(body.get("messages") or []), body.get("max_tokens")
+        if self.mode == "ok" and wanted is not None and n + wanted > self.max_model_len:
+            return 400, orjson.dumps({"error": {
+                "message": f"'max_tokens' or 'max_completion_tokens' is too large: {wanted}. "
+                           f"This model's maximum context length is {self.max_model_len} tokens "
+                           f"and your request has {n} input tokens ({wanted} > "
+                           f"{self.max_model_len} - {n}).",
+                "type": "BadRequestError", "param": None, "code": 400}})
+        return None
 
     # ---- a request ---------------------------------------------------------------------
 
@@ -215,11 +239,118 @@ class FakeVLLM:
             return 400, b'{"error":{"message":"invalid JSON","type":"BadRequestError"}}'
         if route in ("/sleep", "/wake_up", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version"):
             return self._dev_call(route, path, query, body) if self.dev_mode else (404, NOT_FOUND)
+        if route in ("/pause", "/resume"):
+            return self._pause(route, path, query) if self.dev_mode else (404, NOT_FOUND)
         if route == "/tokenize":
             if self.keep:
                 self.tokenized.append(body)
             return 200, orjson.dumps(self.tokenize(body))
+        if route in TOKEN_ROUTES:
+            if not self.token_route:
+                return 403, SCALE_OUT_DISABLED
+            return TOKEN_ROUTES[route](self, body)
         return self._generate(body)
+
+    # ---- the token route ---------------------------------------------------------------
+
+    @staticmethod
+    def logprob_under(weights: str | None, logprob: float) -> float:
+        """A token's logprob under `weights`: the answer's own under "base", shifted by an
+        amount of each checkpoint's own otherwise (what a re-score under them gives)."""
+        return logprob if weights in (None, "base") else logprob - 0.1 * (1 + zlib.crc32(weights.encode()) % 9)
+
+    def _render(self, body: dict) -> tuple[int, bytes]:
+        """/v1/chat/completions/render: the prompt's ids (the ones the completion records) and
+        the sampling params; the chat body is kept for generate under the request id."""
+        if (too_long := self._too_long(body)) is not None:    # refused as it is rendered
+            return too_long
+        if self.mode == "context":
+            return 400, CONTEXT_ERROR
+        # the ids the completion will record: the scripted answer's (answer() may be overridden)
+        prompt = self.answer(body)["prompt_token_ids"] if self.mode == "scripted" else [1, 2, 3]
+        rid = f"chatcmpl-fake-{next(self._ids)}"
+        with self.lock:
+            self._rendered[rid] = body
+        sampling = {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed")
+                    if k in body}
+        return 200, orjson.dumps({"request_id": rid, "token_ids": prompt, "features": None,
+                                  "sampling_params": {**sampling, "logprobs": 0}, "model": body.get("model"),
+                                  "output_mode": "tokens", "stream": False})
+
+    def _token_generate(self, req: dict) -> tuple[int, bytes]:
+        """/inference/v1/generate: the completion sampled token by token, each labelled with
+        the weight version in force when it was sampled (a /pause?mode=keep holds the request
+        at its next token; its later tokens are the new weights', as vLLM's engine does)."""
+        rid = req.get("request_id")
+        with self.lock:
+            body = self._rendered.pop(rid, None)
+        if body is None:
+            return 400, b'{"error":{"message":"unknown request_id (render it first)","type":"BadRequestError"}}'
+        if self.keep:
+            self.bodies.append(body)
+        if self.sleeping or self.weights is None:
+            self.served_asleep += 1
+            return 500, ASLEEP
+        t0, weights = time.monotonic(), self.weights
+        status, content = self._completion(body, weights)
+        if status != 200 or self.mode in ("badjson", "odd"):     # the engine's failure, after its time
+            if self.delay:
+                time.sleep(self.delay)
+            return status, content
+        chat = orjson.loads(content)
+        choice = chat["choices"][0]
+        ids = choice["token_ids"]
+        base = [t["logprob"] for t in choice["logprobs"]["content"]]
+        labels: list[str | None] = []
+        logprobs = []
+        for j in range(len(ids)):
+            self.unpaused.wait(60)
+            labels.append(self.weight_version)
+            logprobs.append(self.logprob_under(self.weights, base[j]))
+            if self.delay:
+                time.sleep(self.delay / len(ids))
+            if (busy := self._outage()) is not None:
+                return busy
+        if self.keep:
+            with self.lock:
+                self.served.append((t0, time.monotonic(), weights, self.weights))
+        spans: list[dict] = []
+        for j, label in enumerate(labels):
+            if spans and spans[-1]["version"] == label:
+                spans[-1]["end"] = j + 1
+            else:
+                spans.append({"version": label, "start": j, "end": j + 1})
+        with self.lock:
+            self._generated[f"generate-tokens-{rid}"] = chat
+        return 200, orjson.dumps({
+            "request_id": f"generate-tokens-{rid}", "model": chat.get("model"), "created": 1,
+            "usage": chat.get("usage"), "output_mode": "tokens", "prompt_token_ids": None,
+            "choices": [{"index": 0, "finish_reason": "length" if choice["finish_reason"] == "length" else "stop",
+                         "stop_reason": None, "token_ids": ids, "weight_versions": spans,
+                         "logprobs": {"content": [{"token_id": t, "logprob": lp, "rank": 1}
+                                                  for t, lp in zip(ids, logprobs)]}}]})
+
+    def _derender(self, req: dict) -> tuple[int, bytes]:
+        """/v1/chat/completions/derender: the message of the completion that was sampled."""
+        generated = req.get("generate_response") or {}
+        with self.lock:
+            chat = self._generated.pop(generated.get("request_id"), None)
+        if chat is None:
+            return 400, b'{"error":{"message":"unknown generate_response","type":"BadRequestError"}}'
+        choice = chat["choices"][0]
+        return 200, orjson.dumps({"id": chat["id"], "object": "chat.completion", "created": 1, "model": chat["model"],
+                                  "choices": [{"index": 0, "message": choice["message"], "logprobs": None,
+                                               "finish_reason": choice["finish_reason"]}],
+                                  "usage": chat.get("usage")})
+
+    def _pause(self, route: str, path: str, query: str) -> tuple[int, bytes]:
+        """/pause?mode=keep (requests wait at their next token) and /resume."""
+        self.control.append(path)
+        if route == "/pause":
+            self.unpaused.clear()
+            return 200, b'{"status":"paused"}'
+        self.unpaused.set()
+        return 200, b'{"status":"resumed"}'
 
     def _outage(self) -> tuple[int, bytes] | None:
         """During an outage: the connection dropped (refuse) or a 503, as a crashed or
@@ -402,12 +533,22 @@ class FakeVLLM:
         self.down()
         time.sleep(pause)
         with self.lock:
-            self.weights, self.weight_version, self.sleeping = "base", "default", set()
+            self.restarted_state()
             self.restarts += 1
         self.up()
 
     def __enter__(self):
         return self.up()
 
+    def restarted_state(self) -> None:
+        """What a new vLLM process starts with (restart() sets it)."""
+        self.weights, self.weight_version, self.sleeping = "base", "default", set()
+        self.unpaused.set()
+
     def __exit__(self, *exc):
         self.down()
+
+
+TOKEN_ROUTES = {"/v1/chat/completions/render": FakeVLLM._render,
+                "/inference/v1/generate": FakeVLLM._token_generate,
+                "/v1/chat/completions/derender": FakeVLLM._derender}

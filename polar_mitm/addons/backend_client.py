@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 import orjson
@@ -41,6 +42,22 @@ def answered(e: AdapterError, status: int) -> AdapterError:
     failed it, which may be the request's doing (request_failures.py)."""
     e.backend_status = status       # type: ignore[attr-defined]
     return e
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """Where vLLM loads a version from: a checkpoint folder it reads (reload_weights), or the
+    trainer's memory over HTTP (pull_url: one safetensors blob with this sha256, loaded by
+    polar-mitm's worker extension, polar_mitm/vllm_ext/weight_pull.py)."""
+    checkpoint: str | None = None
+    pull_url: str | None = None
+    sha256: str | None = None
+
+    def reload_rpc(self, method: str = "polar_pull_weights") -> dict[str, Any]:
+        """The /collective_rpc body that loads it."""
+        if self.pull_url:
+            return {"method": method, "kwargs": {"url": self.pull_url, "sha256": self.sha256}}
+        return {"method": "reload_weights", "kwargs": {"weights_path": self.checkpoint}}
 
 
 def weight_tag(version: int) -> str:
@@ -167,6 +184,20 @@ class BackendClient:
                 from None
         return Completion(parsed, prompt_ids, None)
 
+    async def probe_route(self) -> str:
+        """The route, decided now if no call decided it: a prompt of one word rendered (no
+        generation), the token route where the backend renders it."""
+        if self.route is None:
+            body = orjson.dumps({"model": await self.served(), "messages": [{"role": "user", "content": "hi"}]})
+            try:
+                await self._post("/v1/chat/completions/render", body)
+                self.route, self.route_note = "generate", "the backend has /inference/v1/generate"
+            except AdapterError as e:
+                if not _route_missing(e):
+                    raise
+                self.route, self.route_note = "chat", f"the backend has no token route ({str(e)[:120]})"
+        return self.route
+
     async def _generate(self, payload: bytes) -> Completion:
         """render -> /inference/v1/generate -> derender: the chat completion vLLM would give,
         with the engine's weight version spans over the sampled tokens."""
@@ -254,28 +285,65 @@ class BackendClient:
             raise BackendUnavailable("the model backend is unavailable (no model list)") from None
         return wanted
 
-    async def swap_weights(self, checkpoint: str, version: int, wake: bool = False) -> SwapSeconds:
-        """vLLM (dev mode) reloads the checkpoint in place, forgets its prefix cache (keys
-        and values of the old weights) and takes the version as its own tag. wake: it slept
+    async def swap_weights(self, source: "WeightSource", version: int, wake: bool = False,
+                           inflight: bool = False) -> SwapSeconds:
+        """vLLM (dev mode) reloads its weights in place from source, forgets the old
+        weights' keys and values and takes the version as its own tag. wake: it slept
         (sleep() below): its weights' memory comes back first, the reload fills it, and
-        only then its KV cache's, so the two never peak together."""
-        steps: list[tuple[SwapStep, str, dict[str, Any]]] = [("wake", "/wake_up?tags=weights", {})] if wake else []
-        steps += [("reload", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": checkpoint}})]
-        steps += [("wake", "/wake_up?tags=kv_cache", {})] if wake else []
-        steps += [("reset", "/reset_prefix_cache", {}), ("reset", "/update_weight_version", {"new_version": weight_tag(version)})]
+        only then its KV cache's, so the two never peak together. inflight: the engine pauses
+        the requests it runs where they are (/pause?mode=keep, with clear_cache=true sent
+        explicitly: the route's default, which its docstring says keep mode ignores and the
+        engine applies: their KV is recomputed under the new weights), then resumes them; a
+        pull's bytes are fetched into vLLM's workers before the pause."""
         seconds = SwapSeconds()
-        for i, (step, path, body) in enumerate(steps):
+        if source.pull_url and inflight:
             t0 = time.monotonic()
-            try:
-                await self._dev_post(path, body, "to sync weights into it")
-            except AdapterError as e:
-                # Refused outright at its first step (an answer, not a timeout or a lost
-                # connection): vLLM's weights are as they were. Anything else may have half
-                # reloaded them.
-                e.weights_untouched = i == 0 and isinstance(e, backend.BackendError)   # type: ignore[attr-defined]
-                raise
-            seconds.add(step, time.monotonic() - t0)
+            await self._prefetched(source)
+            seconds.add("prefetch", time.monotonic() - t0)
+        steps: list[tuple[SwapStep, str, dict[str, Any]]] = [("wake", "/wake_up?tags=weights", {})] if wake else []
+        steps += [("pause", "/pause?mode=keep&clear_cache=true", {})] if inflight else []
+        steps += [("reload", "/collective_rpc", source.reload_rpc())]
+        steps += [("wake", "/wake_up?tags=kv_cache", {})] if wake else []
+        steps += [] if inflight else [("reset", "/reset_prefix_cache", {})]
+        steps += [("reset", "/update_weight_version", {"new_version": weight_tag(version)})]
+        paused = False
+        try:
+            for i, (step, path, body) in enumerate(steps):
+                t0 = time.monotonic()
+                try:
+                    await self._dev_post(path, body, "to sync weights into it")
+                except AdapterError as e:
+                    # Refused outright at its first step (an answer, not a timeout or a lost
+                    # connection): vLLM's weights are as they were. Anything else may have half
+                    # reloaded them.
+                    e.weights_untouched = i == 0 and isinstance(e, backend.BackendError)   # type: ignore[attr-defined]
+                    raise
+                paused = paused or step == "pause"
+                seconds.add(step, time.monotonic() - t0)
+        finally:
+            if paused:      # never leave the engine paused: its requests would wait forever
+                t0 = time.monotonic()
+                await self._dev_post("/resume", {}, "to resume it")
+                seconds.add("resume", time.monotonic() - t0)
         return seconds
+
+    async def _prefetched(self, source: "WeightSource", timeout: float = 600) -> None:
+        """Has vLLM's workers fetch and check a pull's bytes (the worker extension's
+        polar_prefetch_weights) and waits until they hold them, while the engine still serves."""
+        deadline = time.monotonic() + timeout
+        while True:
+            resp = await self._post("/collective_rpc", source.reload_rpc("polar_prefetch_weights"))
+            try:
+                states = [r.get("state") for r in orjson.loads(resp.content)["results"]]
+            except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+                raise backend.BackendError("the worker extension's prefetch answer is not valid") from None
+            if "failed" in states:
+                raise backend.BackendError(f"the weight pull failed in vLLM: {resp.content[:300].decode(errors='replace')}")
+            if all(s == "ready" for s in states):
+                return
+            if time.monotonic() > deadline:
+                raise BackendTimeout(f"vLLM did not fetch the weights within {timeout:g}s")
+            await asyncio.sleep(0.05)
 
     async def weight_version(self, http: BackendHTTP | None = None) -> str | None:
         """vLLM's own weight version tag (GET /weight_info, dev mode): what the gateway set

@@ -42,6 +42,13 @@ class Health:
         # mitmdump prints the URL of every flow: a ?key= secret must not reach its log.
         flow.request.path = sessions.redact_query(flow.request.path)
 
+    def _route(self) -> dict[str, Any]:
+        client = self.model_calls.backend
+        wanted = ctx.options.polar_sync_mode
+        mode = ("drain" if wanted == "drain" or client.route == "chat"
+                else "inflight" if client.route == "generate" else f"{wanted} (once the route is known)")
+        return {"route": client.route, "wanted": client.route_wanted, "why": client.route_note, "sync_mode": mode}
+
     def report(self) -> dict[str, Any]:
         writer = self.recorder.writer   # as it is: a health check never opens the database
         loader = writer.health() if writer else None
@@ -60,5 +67,8 @@ class Health:
                 # verified: vLLM still serves it (version_check says how that was last seen)
                 "policy": self.gate.state(),
                 "version_check": self.watch.report() if self.watch else None,
+                # how calls reach vLLM: generate (the engine labels every token's version) or
+                # chat (the gateway's version); and how syncs swap weights, as things stand
+                "backend_route": self._route(),
                 # calls that named a session without its credential: refused, stored nowhere
                 "refused_calls": self.control.refused, "session_auth": self.control.session_auth}

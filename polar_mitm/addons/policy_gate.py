@@ -122,17 +122,19 @@ class PolicyGate:
             if not self.in_flight:
                 idle.set()
 
-    async def _while_held(self, work: Callable[[], Awaitable[Any]]) -> tuple[Any, int, int, float, float]:
-        """Hold new calls, let those in flight finish, run work; the gate opens again after it
-        (or after its failure) unless the backend sleeps. One at a time. Returns (work's
-        result, calls drained, calls held, drain seconds, work seconds)."""
+    async def _while_held(self, work: Callable[[], Awaitable[Any]],
+                          drain: bool = True) -> tuple[Any, int, int, float, float]:
+        """Hold new calls, let those in flight finish (drain), run work; the gate opens again
+        after it (or after its failure) unless the backend sleeps. One at a time. Returns
+        (work's result, calls drained, calls held, drain seconds, work seconds)."""
         is_open, idle, syncing = self._events()
         async with syncing:
             t0 = time.monotonic()
-            drained = self.in_flight
+            drained = self.in_flight if drain else 0
             is_open.clear()
             try:
-                await idle.wait()
+                if drain:
+                    await idle.wait()
                 t1 = time.monotonic()
                 held = self.held
                 result = await work()
@@ -152,10 +154,12 @@ class PolicyGate:
         return SyncReport(self.version, self.checkpoint, held, drained, drain_s, sleep_s, drain_s + sleep_s)
 
     async def sync(self, swap: Callable[[bool], Awaitable[SwapSeconds | None]], version: int,
-                   checkpoint: str | None = None) -> SyncReport:
+                   checkpoint: str | None = None, inflight: bool = False) -> SyncReport:
         """Hold, drain, swap (waking the backend if it sleeps), set the version, release. If
         the swap fails the old version stays in force (and the error is raised), and a
-        sleeping backend keeps the calls held."""
+        sleeping backend keeps the calls held. inflight: the engine pauses the calls in
+        flight itself and labels each token (the token route): nothing is drained, and new
+        calls wait only while the swap runs."""
         async def go() -> SwapSeconds | None:
             try:
                 steps = await swap(self.asleep)
@@ -167,5 +171,10 @@ class PolicyGate:
             self.engine_tagged = True
             self.suspect = False
             return steps
-        steps, drained, held, drain_s, swap_s = await self._while_held(go)
-        return SyncReport(version, checkpoint, held, drained, drain_s, swap_s, drain_s + swap_s, steps)
+        inflight = inflight and not self.asleep       # a sleeping engine has nothing in flight
+        steps, drained, held, drain_s, swap_s = await self._while_held(go, drain=not inflight)
+        stall = swap_s
+        if inflight and steps is not None and steps.pause_s is not None:   # pause sent .. resumed
+            stall = sum(x or 0.0 for x in (steps.pause_s, steps.reload_s, steps.reset_s, steps.resume_s))
+        return SyncReport(version, checkpoint, held, drained, drain_s, swap_s, drain_s + swap_s, steps,
+                          "inflight" if inflight else "drain", round(stall, 4))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Iterable, Literal, Mapping
 
-SwapStep = Literal["wake", "reload", "reset"]
+SwapStep = Literal["wake", "prefetch", "pause", "reload", "reset", "resume"]
 
 
 @dataclass
@@ -19,13 +19,17 @@ class SwapSeconds:
     wake_s: float | None = None
     reload_s: float | None = None
     reset_s: float | None = None
+    prefetch_s: float | None = None    # a pull's fetch into vLLM's workers, before the pause
+    pause_s: float | None = None       # in flight: /pause?mode=keep answered
+    resume_s: float | None = None
 
     def add(self, step: SwapStep, seconds: float) -> None:
         name = _STEP_FIELDS[step]
         setattr(self, name, (getattr(self, name) or 0.0) + seconds)
 
 
-_STEP_FIELDS: dict[SwapStep, str] = {"wake": "wake_s", "reload": "reload_s", "reset": "reset_s"}
+_STEP_FIELDS: dict[SwapStep, str] = {"wake": "wake_s", "reload": "reload_s", "reset": "reset_s",
+                                     "prefetch": "prefetch_s", "pause": "pause_s", "resume": "resume_s"}
 
 
 @dataclass
@@ -39,6 +43,10 @@ class SyncReport:
     swap_s: float
     total_s: float
     steps: SwapSeconds | None = None
+    mode: str = "drain"        # drain (hold, drain, swap) | inflight (pause, swap, resume)
+    # seconds vLLM generated nothing for the sync: the pause (in flight), or the swap (drain;
+    # while it drains, the engine runs the calls in flight only)
+    stall_s: float | None = None
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -66,6 +74,8 @@ class SyncFigures:
     wake_s: float | None = None
     reload_s: float | None = None
     reset_s: float | None = None
+    stall_s: float | None = None
+    mode: str | None = None
 
 
 def slowest(reports: Iterable[SyncReport | None]) -> SyncFigures:
@@ -78,4 +88,5 @@ def slowest(reports: Iterable[SyncReport | None]) -> SyncFigures:
     steps = [r.steps for r in got if r.steps is not None]
     return SyncFigures(drain_s=top(r.drain_s for r in got), drained=top(r.drained for r in got),
                        held=top(r.held for r in got), wake_s=top(s.wake_s for s in steps),
-                       reload_s=top(s.reload_s for s in steps), reset_s=top(s.reset_s for s in steps))
+                       reload_s=top(s.reload_s for s in steps), reset_s=top(s.reset_s for s in steps),
+                       stall_s=top(r.stall_s for r in got), mode=next((r.mode for r in got), None))

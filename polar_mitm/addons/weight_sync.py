@@ -35,7 +35,7 @@ from polar_mitm.adapters.chat import AdapterError
 from polar_mitm.adapters.detect import split_path
 
 from . import option_values
-from .backend_client import BackendClient, NoWeightInfo, untagged, weight_tag
+from .backend_client import BackendClient, NoWeightInfo, WeightSource, untagged, weight_tag
 from .backend_http import BackendHTTP
 from .control import Control
 from .http_json import JSON_HEADERS
@@ -45,6 +45,7 @@ from .sync_report import SwapSeconds
 log = logging.getLogger("polar")
 
 SYNC_PATH = "/_polar/sync"
+SYNC_MODES = ("auto", "inflight", "drain")
 SLEEP_PATH = "/_polar/sleep"
 VERIFY_PATH = "/_polar/verify"
 
@@ -140,9 +141,9 @@ class VersionWatch:
         self.expected = weight_tag(self.gate.version)
         self.gate.engine_tagged = True
 
-    async def swap(self, checkpoint: str, version: int, wake: bool) -> SwapSeconds:
-        """vLLM reloads checkpoint, tagged as version: the tag the watch expects from then on."""
-        steps = await self.backend.swap_weights(checkpoint, version, wake)
+    async def swap(self, source: WeightSource, version: int, wake: bool, inflight: bool = False) -> SwapSeconds:
+        """vLLM loads source, tagged as version: the tag the watch expects from then on."""
+        steps = await self.backend.swap_weights(source, version, wake, inflight)
         self.expected = weight_tag(version)
         self.gate.engine_tagged = True
         return steps
@@ -159,7 +160,9 @@ class VersionWatch:
             return
         self._resyncing = True
         try:
-            await self.gate.sync(lambda wake: self.swap(checkpoint, version, wake), version, checkpoint)
+            inflight = self.backend.route == "generate"
+            await self.gate.sync(lambda wake: self.swap(WeightSource(checkpoint), version, wake, inflight),
+                                 version, checkpoint, inflight)
         except AdapterError as e:
             log.error("polar: re-syncing version %d from %s failed (tried again at the next check): %s",
                       version, checkpoint, e)
@@ -232,6 +235,7 @@ class WeightSync:
         self.watch = VersionWatch(backend_client, self.gate)
         self.syncs = 0
         self.check_every = 1.0
+        self.mode_wanted = "auto"      # polar_sync_mode
         self._task: asyncio.Task | None = None
 
     def load(self, loader):
@@ -241,6 +245,12 @@ class WeightSync:
         loader.add_option("polar_policy_checkpoint", str, "",
                           "The weights the backend serves at start (a directory): with it, "
                           "the gateway reloads them itself when the backend restarts.")
+        loader.add_option("polar_sync_mode", str, "auto",
+                          "How a sync swaps vLLM's weights: inflight (vLLM pauses the calls it "
+                          "runs, reloads, tags, resumes: nothing drains, each token keeps the "
+                          "version that sampled it; needs the token route), drain (hold new "
+                          "calls, let those in flight finish, reload), or auto (inflight where "
+                          "calls take the token route).", choices=SYNC_MODES)
         loader.add_option("polar_version_check", str, "1",
                           "Seconds between checks that the backend still serves the version "
                           "the gateway set (vLLM's /weight_info; 0: off).")
@@ -252,6 +262,8 @@ class WeightSync:
                 self.gate.version = version
         if "polar_policy_checkpoint" in updated and self.syncs == 0:
             self.gate.checkpoint = ctx.options.polar_policy_checkpoint or None
+        if "polar_sync_mode" in updated:
+            self.mode_wanted = ctx.options.polar_sync_mode
         if "polar_version_check" in updated:
             self.check_every = option_values.seconds("polar_version_check", ctx.options.polar_version_check)
 
@@ -306,14 +318,26 @@ class WeightSync:
         log.info("polar: the backend sleeps (level %d); calls are held until the next sync", level)
         return http.Response.make(200, orjson.dumps(report.as_json()), JSON_HEADERS)
 
+    async def sync_mode(self) -> str:
+        """inflight or drain, for the next sync: in flight only where the engine labels every
+        token (the token route; asked of the backend if no call decided it yet)."""
+        if self.mode_wanted == "drain":
+            return "drain"
+        route = self.backend.route or await self.backend.probe_route()
+        if route != "generate" and self.mode_wanted == "inflight":
+            log.warning("polar: polar_sync_mode=inflight needs the token route (%s): this sync drains",
+                        self.backend.route_note)
+        return "inflight" if route == "generate" else "drain"
+
     async def _sync(self, req: http.Request) -> http.Response:
         try:
-            body = orjson.loads(req.content or b"{}")
-            checkpoint, version = body["checkpoint"], body["version"]
-            if not isinstance(checkpoint, str) or not isinstance(version, int) or isinstance(version, bool):
-                raise TypeError
-        except (orjson.JSONDecodeError, KeyError, TypeError):
-            return _error(400, 'expected {"checkpoint": "DIR", "version": INTEGER}')
+            source, version = _sync_request(req.content)
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            return _error(400, 'expected {"checkpoint": "DIR", "version": INTEGER} or {"pull": {"url": URL, '
+                               '"sha256": HEX}, "version": INTEGER, "checkpoint": DIR or null}')
+        checkpoint = source.checkpoint
+        inflight = await self.sync_mode() == "inflight"
+
         async def swap(wake: bool):
             async with self.watch.lock():
                 return await checked_swap(wake)
@@ -328,16 +352,37 @@ class WeightSync:
                     tag = expected        # down or without the endpoint: the watch says so on its own
                 if tag != expected and self.gate.lost():
                     log.error("polar: before the sync, the backend's weights were tagged %r, not %r", tag, expected)
-            return await self.watch.swap(checkpoint, version, wake)
+            return await self.watch.swap(source, version, wake, inflight)
         try:
-            report = await self.gate.sync(swap, version, checkpoint)
+            report = await self.gate.sync(swap, version, checkpoint, inflight)
         except AdapterError as e:
             log.error("polar: the weight sync to version %d failed: %s", version, e)
             return _error(502, f"the weight sync failed; version {self.gate.version} still serves: {e}")
         self.syncs += 1
-        log.info("polar: policy version %d from %s (held %d calls, drained %d in %.2fs, swap %.2fs)",
-                 version, checkpoint, report.held, report.drained, report.drain_s, report.swap_s)
+        log.info("polar: policy version %d from %s, %s (held %d calls, drained %d in %.2fs, swap %.2fs, "
+                 "stall %.2fs)", version, source.pull_url and "a pull" or checkpoint, report.mode, report.held,
+                 report.drained, report.drain_s, report.swap_s, report.stall_s or 0.0)
         return http.Response.make(200, orjson.dumps(report.as_json()), JSON_HEADERS)
+
+
+def _sync_request(content: bytes | None) -> tuple[WeightSource, int]:
+    """A sync's body: the version, and its weights from a checkpoint folder or a pull (then
+    the folder, if any, is what a re-sync reloads). Raises on anything else."""
+    body = orjson.loads(content or b"{}")
+    version, checkpoint, pull = body["version"], body.get("checkpoint"), body.get("pull")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise TypeError
+    if checkpoint is not None and not isinstance(checkpoint, str):
+        raise TypeError
+    if pull is None:
+        if not checkpoint:
+            raise KeyError("checkpoint")
+        return WeightSource(checkpoint), version
+    url, sha = pull["url"], pull["sha256"]
+    if not (isinstance(url, str) and url.startswith(("http://", "https://")) and isinstance(sha, str)
+            and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
+        raise ValueError
+    return WeightSource(checkpoint, url, sha), version
 
 
 def _error(status: int, message: str) -> http.Response:

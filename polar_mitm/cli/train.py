@@ -264,11 +264,17 @@ def format_builders(rows: list[dict]) -> str:
 @click.option("--colocate", is_flag=True, help="One GPU for vLLM and the trainer: vLLM sleeps (its weights "
               "and KV cache freed) while the trainer runs and wakes with the new weights. Needs vLLM's "
               "sleep mode (GPU), and --max-staleness 0")
+@click.option("--sync-mode", default=_LOOP["sync_mode"], show_default=True,
+              type=click.Choice(["auto", "inflight", "drain"]),
+              help="How a sync swaps vLLM's weights: inflight (vLLM pauses its calls where they are, "
+                   "reloads, tags, resumes; every token keeps its version), drain (new calls held, calls "
+                   "in flight finish, then the reload), auto (inflight where vLLM has the token route)")
 @report_to_option
 @session_limit_option
 @trainer_options
 def loop(tasks_file, iterations, out, harness, samples, model, backend, eval_tasks_file, eval_every, workers,
-         max_tokens, keep, vllm, max_staleness, server, colocate, report_to, session_limits, **options):
+         max_tokens, keep, vllm, max_staleness, server, colocate, sync_mode, report_to, session_limits,
+         **options):
     """The closed loop: rollouts through a real harness, GRPO, the new weights synced into the
     running vLLM, the next rollouts.
 
@@ -279,7 +285,7 @@ def loop(tasks_file, iterations, out, harness, samples, model, backend, eval_tas
                        eval_tasks_file=eval_tasks_file, eval_every=eval_every, workers=workers,
                        max_tokens=max_tokens, keep=keep, vllm=vllm, max_staleness=max_staleness,
                        server=server or None, colocate=colocate, report_to=report_to,
-                       session_limits=session_limits)
+                       session_limits=session_limits, sync_mode=sync_mode)
     interruptible_loop(opts, train_config(**options))
 
 

@@ -27,6 +27,9 @@ class LoopOptions:
     max_staleness: int = 0                # K: tokens of versions >= v - K are trained (K >= 1: async)
     server: str | None = None             # a running rollout server (its nodes, their vLLMs)
     colocate: bool = False                # one GPU: vLLM sleeps while the trainer runs
+    # how each sync swaps vLLM's weights: inflight (paused where the calls are, each token keeps
+    # its version), drain (hold, drain, reload), auto (inflight where vLLM has the token route)
+    sync_mode: str = "auto"
     report_to: tuple[str, ...] = ()       # experiment trackers (trackers.TRACKERS)
     session_limits: dict = field(default_factory=dict)   # the node's limits per session (limits.parse_limits)
 

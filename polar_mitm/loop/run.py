@@ -77,7 +77,8 @@ def run_loop(opts: LoopOptions, train_cfg: TrainConfig, echo: Callable[[str], No
             weights=state.checkpoint or base, version=state.version, vllm=_vllm_settings(opts, train_cfg),
             workers=opts.workers, max_tokens=opts.max_tokens, temperature=train_cfg.temperature,
             # synchronous, the loop folds the journal between iterations; async, the server every 30 s
-            fold_s=3600.0 if opts.max_staleness == 0 else None, echo=echo, limits=opts.session_limits)
+            fold_s=3600.0 if opts.max_staleness == 0 else None, echo=echo, limits=opts.session_limits,
+            sync_mode=opts.sync_mode)
         nodes = Nodes(running.enter_context(closing(ServerClient(where.server, token=where.token))), stack)
         if opts.backend or opts.server:
             # vLLM may hold anything (a run killed mid-sync, another run's weights): every

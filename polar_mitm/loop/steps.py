@@ -346,8 +346,9 @@ def publish_and_sync(loop: Loop, trained: Trained) -> Synced:
         figures = loop.nodes.sync(version + 1, str(trained.saved.checkpoint))
         record_version(loop.db, loop.state.run_id, version + 1, str(trained.saved.checkpoint))
         loop.state.publish(trained.saved)
-        loop.echo(f"synced policy v{version + 1}: drained {figures.drained or 0} calls, held "
-                  f"{figures.held or 0}, reload {figures.reload_s or 0:.2f}s")
+        loop.echo(f"synced policy v{version + 1} ({figures.mode or 'drain'}): drained {figures.drained or 0} "
+                  f"calls, held {figures.held or 0}, reload {figures.reload_s or 0:.2f}s, vLLM stalled "
+                  f"{figures.stall_s or 0:.2f}s")
     elif loop.opts.colocate:
         figures = loop.nodes.sync(version, loop.serving)
     return Synced(figures, time.monotonic() - t0)
@@ -388,7 +389,8 @@ def iteration_row(run_id: str, it: int, version: int, done: Rollouts, calls: Tra
             "logprob_abs_diff": steps[0].logprob_abs_diff if steps else None,
             "rollout_s": done.seconds, "train_s": trained.seconds, "sync_s": synced.seconds,
             "sleep_s": trained.sleep_s, "sync_drain_s": sync.drain_s, "sync_reload_s": sync.reload_s,
-            "sync_reset_s": sync.reset_s, "sync_wake_s": sync.wake_s, "journal_saves": journal.saves,
+            "sync_reset_s": sync.reset_s, "sync_wake_s": sync.wake_s, "sync_mode": sync.mode,
+            "sync_stall_s": sync.stall_s, "journal_saves": journal.saves,
             "journal_save_p50_ms": journal.p50_ms, "journal_save_p99_ms": journal.p99_ms}
 
 

@@ -43,7 +43,7 @@ ITERATION_NAMES = {
     "sessions_done": "sessions/done", "sessions_failed": "sessions/failed",
     "sessions_timed_out": "sessions/timed_out", "sessions_released": "sessions/released",
     "rollout_s": "time/rollout_s", "train_s": "time/train_s", "sync_s": "time/sync_s",
-    "sync_drain_s": "time/sync_drain_s", "sync_reload_s": "time/sync_reload_s",
+    "sync_drain_s": "time/sync_drain_s", "sync_reload_s": "time/sync_reload_s", "sync_stall_s": "time/sync_stall_s",
     "sync_reset_s": "time/sync_reset_s", "sync_wake_s": "time/sync_wake_s", "sleep_s": "time/sleep_s",
 }
 _SKIPPED = frozenset({"run_id", "iteration", "checkpoint", "per_task", "released_why"})

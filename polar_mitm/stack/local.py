@@ -102,7 +102,8 @@ class Stack:
     def start_rollouts(self, *, server: str | None, backend: str | None, db: str, work: Path, weights: str,
                        version: int, vllm: VLLMSettings, workers: int, max_tokens: int | None,
                        temperature: float, fold_s: float | None = None,
-                       echo: Callable[[str], None] = click.echo, limits: Mapping[str, Any] | None = None) -> Endpoints:
+                       echo: Callable[[str], None] = click.echo, limits: Mapping[str, Any] | None = None,
+                       sync_mode: str = "auto") -> Endpoints:
         """Where the loop's rollouts run: a remote rollout server (its nodes bring their own
         vLLMs: nothing starts here), or on this machine vLLM serving `weights` as policy
         `version` (unless backend: a running one), a rollout server and one gateway node.
@@ -116,7 +117,8 @@ class Stack:
         self.start_node(db=db, backend=backend, work=work, proxy_port=launch.free_port(), workers=workers,
                         max_tokens=max_tokens, server_url=started.url, temperature=temperature, limits=limits,
                         server_token=started.token,
-                        extra_sets=[f"polar_policy_version={version}", f"polar_policy_checkpoint={weights}"])
+                        extra_sets=[f"polar_policy_version={version}", f"polar_policy_checkpoint={weights}",
+                                    f"polar_sync_mode={sync_mode}"])
         return Endpoints(server=started.url, backend=backend, token=started.token)
 
     def start_node(self, *, db: str, backend: str, work: Path, proxy_port: int, workers: int,

@@ -55,6 +55,8 @@ class IterationRow(TypedDict, total=False):
     journal_save_p99_ms: float | None
     stale_tokens: int                # sampled tokens context only: more than --max-staleness versions behind
     unknown_version_tokens: int      # sampled tokens context only: of a version not known
+    sync_mode: str | None            # inflight | drain (None: no sync)
+    sync_stall_s: float | None       # seconds vLLM generated nothing for the sync
 
 
 def standard_error(std: float | None, n: int | None) -> float | None:

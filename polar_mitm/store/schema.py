@@ -360,6 +360,12 @@ MIGRATIONS: list[str] = [
     ALTER TABLE loop_iterations ADD COLUMN stale_tokens BIGINT;
     ALTER TABLE loop_iterations ADD COLUMN unknown_version_tokens BIGINT;
     """,
+    # 15: how the iteration's sync swapped vLLM's weights (inflight: paused where the calls
+    # were; drain: held and drained first), and the seconds vLLM generated nothing for it.
+    """
+    ALTER TABLE loop_iterations ADD COLUMN sync_mode VARCHAR;
+    ALTER TABLE loop_iterations ADD COLUMN sync_stall_s DOUBLE;
+    """,
 ]
 
 # What the loader writes to call_records.

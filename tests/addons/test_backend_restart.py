@@ -35,14 +35,26 @@ def served_by(content: str) -> str:
     return "base" if content == "ok" else content.removeprefix("ok ")
 
 
+OK_LOGPROBS = (-0.5, -0.1)      # the stand-in's "ok" answer's two tokens, under its start-up weights
+
+
 def check_versions(db, weights_of: dict[int, str]) -> dict:
-    """Every stored call's version against the weights that answered it; counts per version."""
-    rows = query(db, "SELECT policy_version, response_json->>'$.choices[0].message.content' FROM calls "
-                     "WHERE error IS NULL")[1]
+    """Every stored call's version against the weights that answered it; counts per version.
+    On the token route every token's version is checked: its logprob is the one the weights
+    of that version give it (the stand-in's logprob_under, a re-score), and the call's version
+    is its first token's. On the chat route the answer names the weights that served it."""
+    rows = query(db, "SELECT policy_version, token_versions, logprobs, "
+                     "response_json->>'$.choices[0].message.content' FROM calls WHERE error IS NULL")[1]
     counts: dict = {}
-    for version, content in rows:
+    for version, versions, logprobs, content in rows:
         counts[version] = counts.get(version, 0) + 1
-        if version is not None:
+        if versions is not None:
+            assert len(versions) == len(logprobs) and version == versions[0], (version, versions)
+            for j, v in enumerate(versions):
+                if v is not None:
+                    want = FakeVLLM.logprob_under(weights_of[v], OK_LOGPROBS[j])
+                    assert abs(logprobs[j] - want) < 1e-5, (j, v, logprobs, want)
+        elif version is not None:
             assert served_by(content) == weights_of[version], (version, content)
     return counts
 

@@ -1,6 +1,6 @@
-"""A weight sync through the gateway: new calls are held (not refused; streaming clients get
-keepalives), calls in flight finish first, vLLM reloads, and every call carries the version
-that sampled it. Against a slow stand-in whose answers say which weights served them."""
+"""A weight sync through the gateway in drain mode: new calls are held (not refused; streaming
+clients get keepalives), calls in flight finish first, vLLM reloads, and every call carries the
+version that sampled it. Against a slow stand-in whose answers say which weights served them."""
 
 from __future__ import annotations
 
@@ -29,8 +29,10 @@ def policy(proxy) -> dict:
 
 
 def test_no_call_straddles_a_sync(start_proxy):
+    """polar_sync_mode=drain (the in-flight default: test_inflight_sync.py)."""
     with FakeVLLM(delay=0.8, reload_delay=0.5) as fake:
-        proxy = start_proxy(fake.url, [f"polar_control_token={TOKEN}", "polar_stream_keepalive=0.2"])
+        proxy = start_proxy(fake.url, [f"polar_control_token={TOKEN}", "polar_stream_keepalive=0.2",
+                                       "polar_sync_mode=drain"])
         answers: dict[int, str] = {}
         errors: list[BaseException] = []
 

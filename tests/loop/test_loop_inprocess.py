@@ -49,7 +49,9 @@ def test_two_iterations_in_process_fill_every_column_from_the_steps(tmp_path):
         "iteration 2 (policy v1): reward")
     assert all(r["stale_tokens"] == 0 and r["tokens"] > 0 for r in rows)   # K=0: every token the policy's own
     assert sum("tokens, 0.0% stale" in line for line in said) == 2
-    assert any(line.startswith("synced policy v2: drained ") for line in said)
+    # the stand-in has the token route: syncs are in flight (vLLM paused, nothing drained)
+    assert any(line.startswith("synced policy v2 (inflight): drained 0 calls") for line in said), said
+    assert all(r["sync_mode"] == "inflight" and r["sync_stall_s"] > 0 for r in rows)
     assert any(line.startswith("iter ver  reward") for line in said)   # the table
 
     # a rerun of the finished loop: nothing starts, and neither torch nor the model is loaded

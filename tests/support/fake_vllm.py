@@ -109,6 +109,7 @@ class FakeVLLM:
         self.lock = threading.Lock()
         self.reloading = False
         self.control: list[str] = []      # dev-mode calls, in order (path with query)
+        self.rpcs: list[tuple[str, dict]] = []   # /collective_rpc (method, kwargs), in order
         self.sleeping: set[str] = set()   # what sleeps: "weights", "kv_cache"
         self.weight_version: str | None = "default"   # /update_weight_version's tag (vLLM starts with "default")
         self.restarts = 0
@@ -392,12 +393,16 @@ class FakeVLLM:
         if route == "/update_weight_version":
             self.weight_version = body.get("new_version")
         if route == "/collective_rpc":
+            method, kwargs = body.get("method"), body.get("kwargs") or {}
+            self.rpcs.append((method, kwargs))
+            if method == "polar_prefetch_weights":     # the worker extension's (vllm_ext/weight_pull.py)
+                return 200, b'{"results": [{"state": "ready"}]}'
             t0 = time.monotonic()
             self.reloading = True
             time.sleep(self.reload_delay)
             if self.reload_gate is not None:
                 self.reload_gate.wait(30)
-            self.weights = body["kwargs"]["weights_path"]
+            self.weights = kwargs["url"] if method == "polar_pull_weights" else kwargs["weights_path"]
             self.reloading = False
             self.reloads.append((t0, time.monotonic(), self.weights))
         return 200, b'{"results": [null]}'

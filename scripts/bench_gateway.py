@@ -3,7 +3,7 @@
     .venv/bin/python scripts/bench_gateway.py [--concurrency 1,8,64] [--sessions 1] [--turns 20]
                                               [--style mix] [--soak 600] [--out FILE.json]
                                               [--workload ordered|out-of-order]
-                                              [--polar-set polar_OPTION=VALUE ...]
+                                              [--polar-set polar_OPTION=VALUE ...] [--compare-routes]
     .venv/bin/python scripts/bench_gateway.py --store-load [10000] --concurrency 64 [--workload both]
                                               [--agents 4-8] [--agent-turns 8]
 
@@ -26,6 +26,12 @@ measurement; the table shows round 1's, the RSS target uses the highest over all
 Windows at the highest concurrency hold at least --top-calls calls (2560), so that polar's
 loader loads a whole row group into DuckDB while the clients run: the RSS target counts
 only if one did.
+--compare-routes measures polar twice instead of plain and polar, a proxy per backend route:
+polar_backend_route=chat (one POST /v1/chat/completions) and =generate (render ->
+/inference/v1/generate -> derender), in the order A B in odd rounds and B A in even ones, and
+prints calls/s, CPU per call and added latency of each, and generate's over chat's; it fails
+where generate's CPU per call is above x1.3 chat's or its calls/s at the top concurrency below
+x0.9. The stand-in answers either route at about the same CPU per call (workload.WorkloadVLLM).
 --soak SECONDS then runs polar alone (--soak-clients, new sessions as old ones finish) and
 prints calls/s, latency, RSS and store size per minute; --concurrency '' runs only the soak.
 
@@ -70,6 +76,8 @@ from polar_mitm.stack import launch  # noqa: E402
 from polar_mitm.store import calllog, log_dir, query  # noqa: E402
 
 CONFIGS = ("direct", "plain", "polar")
+# --compare-routes: polar twice, one proxy per polar_backend_route, in place of plain and polar
+ROUTES = ("chat", "generate")
 HOST = "127.0.0.1"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -313,6 +321,8 @@ class Bench:
         self.run_id = f"{int(time.time()) % 100000:05d}"
         self.health: dict = {}     # polar's /_polar/health at the end
         self.fake = self.plain = self.polar = None
+        self.routes: dict[str, tuple[launch.Service, int, Path]] = {}   # --compare-routes: route -> (proxy, port, db)
+        self.route_health: dict[str, dict] = {}
         self.ports: dict[str, int] = {}
         self.results: list[dict] = []
         self.soak: dict | None = None
@@ -341,6 +351,9 @@ class Bench:
 
     def start(self):
         self.fake = Fake(self.work / "fake.log")
+        if self.args.compare_routes:
+            self.start_routes()
+            return
         self.plain, plain_rp = start_plain(self.fake.url, self.work, self.args.flow_detail)
         self.polar, self.polar_port, polar_rp, self.db = start_polar(self.fake.url, self.work,
                                                                       self.args.flow_detail,
@@ -349,22 +362,37 @@ class Bench:
         self.proc = {"direct": None, "plain": self.plain.proc.pid, "polar": self.polar.proc.pid}
         self.servers = [self.fake.proc.pid, self.plain.proc.pid, self.polar.proc.pid]
 
+    def start_routes(self):
+        """--compare-routes: a polar-mitm per route, each on a database of its own."""
+        self.ports, self.proc = {"direct": self.fake.port}, {"direct": None}
+        for route in ROUTES:
+            service, port, rp, db = start_polar(self.fake.url, self.work, self.args.flow_detail,
+                                                [*self.args.polar_set, f"polar_backend_route={route}"],
+                                                name=f"polar-{route}")
+            self.routes[route] = (service, port, db)
+            self.ports[route], self.proc[route] = rp, service.proc.pid
+        self.servers = [self.fake.proc.pid] + [s.proc.pid for s, _, _ in self.routes.values()]
+
+    def health_port(self, cfg: str) -> int | None:
+        """The control port of the polar-mitm that config cfg measures (None: not polar)."""
+        return self.polar_port if cfg == "polar" else self.routes[cfg][1] if cfg in self.routes else None
+
     def stop(self):
-        for s in (self.polar, self.plain):
+        for s in (self.polar, self.plain, *(s for s, _, _ in self.routes.values())):
             if s is not None:
                 s.stop()
         if self.fake is not None:
             self.fake.stop()
 
     def warm_up(self):
-        for cfg in CONFIGS:
+        for cfg in self.ports:
             sessions = workload.make_sessions(2, style=self.args.style, prefix=f"warm{self.run_id}-{cfg}",
                                               turns=3, first_seed=10**6)
             recs = run_load(self.ports[cfg], sessions, 2)
             bad = [r for r in recs if r.error or r.status != 200]
             if bad:
                 raise RuntimeError(f"warm-up through {cfg} failed: {bad[0].status} {bad[0].error}")
-            if cfg == "polar":
+            if self.health_port(cfg):
                 self.answered_by_polar += len(recs)
 
     def measure(self, cfg: str, concurrency: int, round_: int = 0) -> dict:
@@ -377,12 +405,12 @@ class Bench:
             n = max(n, math.ceil(a.top_calls / self.turns(a.workload)))
         sessions = self.sessions(a.workload, n, f"b{self.run_id}-{cfg}-c{concurrency}-r{round_}",
                                  concurrency * 1000 + round_ * 100_000)
-        pid = self.proc[cfg]
+        pid, hport = self.proc[cfg], self.health_port(cfg)
         waited = settle(self.servers)
         if pid:
             reset_peak(pid)
         before = self.fake.stats()
-        loads0 = polar_health(self.polar_port).get("loads", 0) if cfg == "polar" else 0
+        loads0 = polar_health(hport).get("loads", 0) if hport else 0
         proxy0 = cpu_s([pid]) if pid else 0.0
         threads0, machine0 = thread_cpu_s(pid) if pid else {}, machine_ticks()
         fake0, self0 = cpu_s([self.fake.proc.pid]), time.process_time()
@@ -392,13 +420,13 @@ class Bench:
         fake1, self1 = cpu_s([self.fake.proc.pid]), time.process_time()
         # polar's loader loads whole row groups while calls come, the rest when a reader
         # asks: the calls it left in its log are loaded (and their CPU counted) later
-        health = polar_health(self.polar_port) if cfg == "polar" else {}
+        health = polar_health(hport) if hport else {}
         pending, loads = health.get("log_pending"), health.get("loads", 0) - loads0
         after_s = settle(self.servers)
         proxy2 = cpu_s([pid]) if pid else 0.0
         after = self.fake.stats()
         part = {"records": records, "sessions": n, "settle_before_s": waited, "settle_after_s": after_s,
-                "log_pending": pending, "loads": loads if cfg == "polar" else None,
+                "log_pending": pending, "loads": loads if hport else None,
                 "proxy_cpu_s": proxy1 - proxy0, "proxy_deferred_cpu_s": proxy2 - proxy1,
                 "fake_cpu_s": fake1 - fake0, "client_cpu_s": self1 - self0,
                 "thread_cpu_s": {k: v - threads0.get(k, 0.0) for k, v in threads1.items()},
@@ -406,7 +434,7 @@ class Bench:
                 "peak_rss_mb": peak_rss_mb(pid) if pid else None, "rss_after_mb": rss_mb(pid) if pid else None,
                 "backend_requests": {k: after.get(k, 0) - before.get(k, 0) for k in after
                                      if after.get(k, 0) != before.get(k, 0) and k != "/_fake/counts"}}
-        if cfg == "polar":
+        if hport:
             self.answered_by_polar += sum(1 for r in records if r.status == 200 and not r.error)
         return part
 
@@ -850,6 +878,79 @@ def report(bench: Bench, results: list[dict], soak: dict | None, extra: dict) ->
     return all(ok for ok, _ in checks)
 
 
+def route_report(bench: Bench, results: list[dict], extra: dict) -> bool:
+    """--compare-routes: polar on each backend route at each concurrency, and generate / chat.
+    The issue's targets: CPU per call (clients' window + deferred) at most x1.3, calls/s at
+    the top concurrency at least x0.9."""
+    by = {(r["config"], r["concurrency"]): r for r in results}
+    concs = sorted({r["concurrency"] for r in results})
+
+    def figures(r: dict, d: dict | None) -> dict[str, float | None]:
+        t = r["thread_cpu_ms_per_call"]
+        return {"calls/s": r["calls_per_s"], "cpu ms/call": r["proxy_cpu_ms_per_call"],
+                "loop": t.get("mitmdump", 0.0), "log": t.get("polar-log", 0.0), "loader": t.get("polar-loader", 0.0),
+                "deferred": r["proxy_deferred_cpu_ms_per_call"],
+                "+p50 ms": r["p50_ms"] - d["p50_ms"] if d else None,
+                "+p99 ms": r["p99_ms"] - d["p99_ms"] if d else None,
+                "fake ms/call": r["fake_cpu_ms_per_call"], "idle %": r["machine_idle"] * 100}
+
+    cols = ("calls/s", "cpu ms/call", "loop", "log", "loader", "deferred", "+p50 ms", "+p99 ms", "fake ms/call",
+            "idle %")
+    print()
+    head = f"{'route':14s} {'clients':>7s} {'calls':>6s} {'err':>4s} " + " ".join(f"{c:>{max(len(c), 7)}s}" for c in cols)
+    print(head)
+    print("-" * len(head))
+    checks: list[tuple[bool, str]] = []
+    for c in concs:
+        d, rows = by.get(("direct", c)), {}
+        for route in ROUTES:
+            r = by.get((route, c))
+            if not r:
+                continue
+            rows[route] = f = figures(r, d)
+            print(f"{route:14s} {c:7d} {r['calls']:6d} {r['errors']:4d} "
+                  + " ".join(f"{fmt(f[k], '.2f'):>{max(len(k), 7)}s}" for k in cols))
+        if len(rows) == 2:
+            g, h = rows["generate"], rows["chat"]
+            ratio = {k: g[k] / h[k] if g[k] is not None and h[k] else None for k in cols}
+            print(f"{'generate/chat':14s} {c:7d} {'':6s} {'':4s} "
+                  + " ".join(f"{fmt(ratio[k], '.2f'):>{max(len(k), 7)}s}" for k in cols))
+            cpu_g, cpu_h = g["cpu ms/call"] + (g["deferred"] or 0), h["cpu ms/call"] + (h["deferred"] or 0)
+            checks.append((cpu_g <= 1.3 * cpu_h, f"proxy CPU per call at {c:2d} clients (deferred included): "
+                                                 f"generate {cpu_g:.2f} ms <= 1.3 x chat {cpu_h:.2f} ms "
+                                                 f"(x{cpu_g / cpu_h:.2f})"))
+            if c == bench.top:
+                checks.append((g["calls/s"] >= 0.9 * h["calls/s"],
+                               f"calls/s at {c} clients: generate {g['calls/s']:.1f} >= 0.9 x chat "
+                               f"{h['calls/s']:.1f} (x{g['calls/s'] / h['calls/s']:.2f})"))
+    print("(cpu ms/call: the mitmdump process tree's CPU while the clients ran, per call, of which loop "
+          "(the event loop's thread), log and loader (polar's threads); deferred: its CPU per call after "
+          "the clients finished, until idle; +pXX: the percentile minus direct's at the same concurrency; "
+          "fake ms/call: the stand-in vLLM's CPU per call, on either route; idle: the machine's)")
+    for c in concs:
+        for route in ROUTES:
+            r = by.get((route, c))
+            if r:
+                per = {k: v / max(r["ok"], 1) for k, v in r["backend_requests"].items()}
+                print(f"{route} at {c} clients: backend requests per call "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in sorted(per.items()))
+                      + f"; loads into DuckDB per window: {[w.get('loads') for w in r['windows']]}")
+    print()
+    for k, v in extra.items():
+        print(f"{k}: {v}")
+    print()
+    for route, health in bench.route_health.items():
+        took = (health.get("backend_route") or {}).get("route")
+        checks.append((took == route, f"the {route} proxy's route (health): {took}"))
+        checks.append((health.get("load_errors") == 0, f"the {route} proxy's loads into DuckDB: "
+                                                       f"{health.get('loads')}, failed: {health.get('load_errors')}"))
+    errors = sum(r["errors"] for r in results)
+    checks.append((errors == 0, f"failed calls: {errors}"))
+    for ok, text in checks:
+        print(f"{'PASS' if ok else 'FAIL'}  {text}")
+    return all(ok for ok, _ in checks)
+
+
 def agents_range(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition("-")
     lo, hi = int(lo), int(hi or lo)
@@ -879,6 +980,10 @@ def main(argv=None):
     ap.add_argument("--flow-detail", type=int, default=None,
                     help="mitmproxy flow_detail for both mitmdumps (default: mitmdump's own, as "
                          "polar-mitm up runs it)")
+    ap.add_argument("--compare-routes", action="store_true",
+                    help="polar on each backend route (polar_backend_route=chat and =generate, a proxy "
+                         "each) in place of plain and polar, in A B / B A order over the rounds: calls/s, "
+                         "CPU per call and added latency side by side, and their ratios")
     ap.add_argument("--polar-set", action="append", default=[], metavar="OPTION=VALUE",
                     help="a polar_* option for polar's mitmdump (repeatable), e.g. polar_max_concurrency=32")
     ap.add_argument("--workload", choices=("ordered", "out-of-order", "both"), default="ordered",
@@ -898,6 +1003,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     concs = [int(c) for c in args.concurrency.split(",") if c.strip()]
     configs = [c for c in CONFIGS if c in args.configs.split(",")]
+    if args.compare_routes:
+        configs = ["direct", *ROUTES]
     out = Path(args.out or f"/tmp/polar-bench-gateway-{time.strftime('%Y%m%d-%H%M%S')}.json")
     if args.workload == "both" and not args.store_load:
         ap.error("--workload both needs --store-load (the comparison runs one workload)")
@@ -914,13 +1021,16 @@ def main(argv=None):
     results, soak, extra = [], None, {}
     try:
         bench.start()
-        print(f"work dir {bench.work}; fake backend :{bench.fake.port}, plain mitmdump :{bench.ports['plain']}, "
-              f"polar :{bench.ports['polar']} (reverse mode)", file=sys.stderr, flush=True)
+        print(f"work dir {bench.work}; fake backend :{bench.fake.port}, "
+              + ", ".join(f"{k} :{v}" for k, v in bench.ports.items() if k != "direct")
+              + " (reverse mode)", file=sys.stderr, flush=True)
         bench.warm_up()
         parts: dict[tuple[str, int], list[dict]] = {}
         for rnd in range(args.rounds):
+            # the routes' order flips every round (A B, B A, ...): neither always follows the other
+            order = configs if not args.compare_routes or rnd % 2 == 0 else [configs[0], *configs[:0:-1]]
             for c in concs:
-                for cfg in configs:   # side by side: the three configs back to back, every round
+                for cfg in order:   # side by side: the configs back to back, every round
                     p = bench.measure(cfg, c, rnd)
                     parts.setdefault((cfg, c), []).append(p)
                     one = summarize([p["records"]])
@@ -930,7 +1040,10 @@ def main(argv=None):
         results = [bench.combine(cfg, c, parts[(cfg, c)]) for c in concs for cfg in configs]
         if args.soak > 0 and "polar" in configs:
             soak = bench.run_soak(args.soak, args.soak_clients)
-        health = bench.health = polar_health(bench.polar_port)
+        for route, (_, port, _) in bench.routes.items():
+            bench.route_health[route] = polar_health(port)
+        health = bench.health = polar_health(bench.polar_port) if bench.polar else {
+            "calls": sum(h.get("calls") or 0 for h in bench.route_health.values())}
         extra["polar calls answered (health endpoint)"] = (
             f"{health.get('calls')} (this bench got {bench.answered_by_polar} answers with status 200 "
             "through polar, warm-up included)")
@@ -939,11 +1052,13 @@ def main(argv=None):
     if bench.polar is not None:
         extra["rows in the calls table after stop (polar-mitm sql)"] = recorded_rows(bench.db)
         extra["polar store on disk"] = f"{du_mb(bench.db.parent):.1f} MB in {bench.db.parent}"
+    for route, (_, _, db) in bench.routes.items():
+        extra[f"rows in the {route} proxy's calls table after stop"] = recorded_rows(db)
     extra["bench wall time"] = f"{time.perf_counter() - t_start:.0f} s"
     extra["load average (1 min) before / after, on"] = (
         f"{load_before[0]:.2f} / {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs (other work on the "
         "machine shows here and makes every number noisier)")
-    ok = report(bench, results, soak, extra)
+    ok = route_report(bench, results, extra) if args.compare_routes else report(bench, results, soak, extra)
     out.write_text(json.dumps({"args": vars(args), "results": results, "soak": soak, "extra": extra,
                                "workdir": str(bench.work)}, indent=1, default=str))
     print(f"\nraw results: {out}")

@@ -22,7 +22,12 @@ run, reward/mean at every iteration, equal to loop_iterations.
 training / sync (drain, reload, reset) / the rest as seconds and shares of the iteration, and
 checks that the sync takes at most 5% of it. --compare-staleness runs K=0 (synchronous) and
 K=1 (the next iteration's rollouts during training) one after the other and compares
-iterations per hour.
+iterations per hour. --compare-sync-mode runs the demo's loop at --max-staleness 1 with
+--sync-mode inflight, then drain (same settings), and prints per iteration, side by side: the
+phases, vLLM's stall per sync (sync_stall_s), the drain, the calls in flight across the sync,
+drained and held, the tokens trained, dropped as stale and of no known version, and from the
+calls themselves those whose tokens carry two versions and the share of tokens older than
+the trained version - 1 (it should equal the trainer's stale share).
 """
 
 from __future__ import annotations
@@ -49,19 +54,23 @@ TRAIN = str(Path(sys.executable).parent / "polar-train")
 MARKS = (1, 10, 50, 100, 200)
 
 
-def run_demo(out: Path, iterations: int, backend: str | None, staleness: int = 0) -> float:
-    """`polar-mitm demo`'s loop, with its settings (cli.DemoSettings)."""
+def run_demo(out: Path, iterations: int, backend: str | None, staleness: int = 0, sync_mode: str = "auto",
+             samples: int | None = None, held_out: bool = True, echo=None,
+             workers: int | None = None) -> float:
+    """`polar-mitm demo`'s loop, with its settings (cli.DemoSettings); --compare-sync-mode
+    may change the samples and workers and leave out the held-out tasks (the same for both arms)."""
     from polar_mitm.cli.main import DEMO as D
     from polar_mitm.grpo.config import TrainConfig
     from polar_mitm.loop.run import LoopOptions, run_loop
 
     t0 = time.monotonic()
     run_loop(LoopOptions(tasks_file=str(DEMO / "arithmetic.jsonl"), iterations=iterations, out=out,
-                         harness="pi", samples=D.samples, backend=backend, workers=D.workers,
-                         eval_tasks_file=str(DEMO / "arithmetic_heldout.jsonl"), max_tokens=D.max_tokens,
-                         eval_every=D.eval_every,
-                         max_staleness=staleness),
-             TrainConfig(lr=D.lr, groups_per_step=D.groups_per_step))
+                         harness="pi", samples=samples or D.samples, backend=backend,
+                         workers=workers or D.workers,
+                         eval_tasks_file=str(DEMO / "arithmetic_heldout.jsonl") if held_out else None,
+                         max_tokens=D.max_tokens, eval_every=D.eval_every,
+                         max_staleness=staleness, sync_mode=sync_mode),
+             TrainConfig(lr=D.lr, groups_per_step=D.groups_per_step), **({"echo": echo} if echo else {}))
     return time.monotonic() - t0
 
 
@@ -96,6 +105,140 @@ def report(out: Path, wall: float | None) -> bool:
     if wall is not None:
         print(f"wall time, vLLM's start included: {wall:.0f} s")
     return ok
+
+
+# ---- in-flight syncs against drains (issue 42) ------------------------------------------------
+
+SYNCED = re.compile(r"synced policy v(\d+) \((\w+)\): drained (\d+) calls, held (\d+)")
+
+
+def run_sync_mode(out: Path, mode: str, iterations: int, backend: str | None, samples: int | None,
+                  held_out: bool, workers: int | None) -> tuple[float, list[tuple[int, int]]]:
+    """One arm: the demo's loop at --max-staleness 1 with this --sync-mode; its wall time and
+    each sync's (drained, held) calls, from the loop's own line (not in loop_iterations)."""
+    import click
+
+    counts: list[tuple[int, int]] = []
+
+    def echo(line: str) -> None:
+        if m := SYNCED.search(line):
+            counts.append((int(m.group(3)), int(m.group(4))))
+        click.echo(line)
+
+    wall = run_demo(out, iterations, backend, staleness=1, sync_mode=mode, samples=samples, held_out=held_out,
+                    echo=echo, workers=workers)
+    return wall, counts
+
+
+def token_versions_by_iteration(db: Path, max_staleness: int = 1) -> dict[int, dict]:
+    """From the calls themselves, per iteration that trained them: calls, calls whose tokens
+    carry two distinct versions (a sync landed while they ran), tokens, and tokens of a version
+    older than the trained one minus K (what the trainer masks as stale) or of no known version.
+    A NULL token_versions means every token is the call's policy_version."""
+    from polar_mitm.session_ids import parse_run_task, task_of
+
+    _, its = query(db, "SELECT iteration, policy_version FROM loop_iterations ORDER BY iteration")
+    trained_at = dict(its)
+    _, rows = query(db, "SELECT session_id, policy_version, token_versions, len(token_ids) FROM calls")
+    out: dict[int, dict] = {}
+    for sid, version, versions, n in rows:
+        rt = parse_run_task(task_of(sid) or "")
+        if rt is None or rt.held_out or rt.iteration not in trained_at:
+            continue
+        f = out.setdefault(rt.iteration, {"calls": 0, "straddling": 0, "tokens": 0, "stale": 0, "unknown": 0})
+        per_token = list(versions) if versions is not None else [version] * (n or 0)
+        oldest = trained_at[rt.iteration] - max_staleness
+        f["calls"] += 1
+        f["straddling"] += len({v for v in per_token if v is not None}) >= 2
+        f["tokens"] += len(per_token)
+        f["stale"] += sum(1 for v in per_token if v is not None and v < oldest)
+        f["unknown"] += sum(1 for v in per_token if v is None)
+    return out
+
+
+def in_flight_at_sync(db: Path) -> dict[int, int]:
+    """Per iteration, the calls that ran across its sync: started before the sync ended and
+    recorded after it began (the sync: the sync_s seconds before the row's finished_at, which
+    is written right after it)."""
+    _, rows = query(db, "SELECT i.iteration, count(c.call_id) FROM loop_iterations i LEFT JOIN calls c "
+                        "ON c.started_at < i.finished_at "
+                        "AND c.created_at > i.finished_at - to_microseconds(CAST(i.sync_s * 1e6 AS BIGINT)) "
+                        "GROUP BY ALL")
+    return dict(rows)
+
+
+def _frac(a: float, b: float) -> str:
+    return f"{a / b:.1%}" if b else "-"
+
+
+def report_sync_modes(arms: dict[str, tuple[Path, float, list[tuple[int, int]]]]) -> None:
+    """Per iteration and mean, the two arms side by side."""
+    cols = ("iteration", "rollout_s", "train_s", "sync_s", "sync_stall_s", "sync_drain_s", "sync_reload_s",
+            "tokens", "stale_tokens", "unknown_version_tokens", "sync_mode", "finished_at")
+    figures: dict[str, list[dict]] = {}
+    for mode, (out, _, counts) in arms.items():
+        db = out / "rollouts.duckdb"
+        _, rows = query(db, f"SELECT {', '.join(cols)} FROM loop_iterations ORDER BY iteration")
+        from_calls = token_versions_by_iteration(db)
+        across = in_flight_at_sync(db)
+        last = None
+        figures[mode] = []
+        for i, r in enumerate(rows):
+            d = dict(zip(cols, r))
+            d["wall"] = (d["finished_at"] - last).total_seconds() if last is not None else None
+            last = d["finished_at"]
+            d["drained"], d["held"] = counts[i] if i < len(counts) else (None, None)
+            d["calls"] = from_calls.get(d["iteration"], {})
+            d["across"] = across.get(d["iteration"])
+            figures[mode].append(d)
+    head = (f"{'arm':>8} {'iter':>4} {'mode':>8} {'rollout s':>9} {'train s':>7} {'sync s':>6} {'iter s':>6} "
+            f"{'stall s':>7} {'drain s':>7} {'reload s':>8} {'in flight':>9} {'drained':>7} {'held':>4} "
+            f"{'tokens':>6} {'stale':>5} {'unknown':>7} {'stale %':>7} {'straddle':>8} {'calls stale %':>13}")
+    print("\n" + head)
+    print("-" * len(head))
+    for mode, rows in figures.items():
+        for d in rows:
+            c = d["calls"]
+            seen = d["tokens"] + d["stale_tokens"] + d["unknown_version_tokens"]
+            print(f"{mode:>8} {d['iteration'] + 1:>4} {d['sync_mode'] or '-':>8} {d['rollout_s']:>9.1f} "
+                  f"{d['train_s']:>7.1f} {d['sync_s']:>6.2f} {_num(d['wall'], 6, 1)} "
+                  f"{_num(d['sync_stall_s'], 7, 2)} "
+                  f"{_num(d['sync_drain_s'], 7, 2)} {_num(d['sync_reload_s'], 8, 2)} "
+                  f"{_num(d['across'], 9, 0)} {_num(d['drained'], 7, 0)} {_num(d['held'], 4, 0)} "
+                  f"{d['tokens']:>6} "
+                  f"{d['stale_tokens']:>5} "
+                  f"{d['unknown_version_tokens']:>7} {_frac(d['stale_tokens'], seen):>7} "
+                  f"{'%d/%d' % (c.get('straddling', 0), c.get('calls', 0)):>8} "
+                  f"{_frac(c.get('stale', 0), c.get('tokens', 0)):>13}")
+    print("\nmeans (iteration s: from the 2nd iteration on; stall and drain: the iterations that synced)")
+    for mode, rows in figures.items():
+        synced = [d for d in rows if d["sync_stall_s"] is not None or d["sync_drain_s"] is not None]
+        walls = [d["wall"] for d in rows if d["wall"] is not None]
+        trained, stale = sum(d["tokens"] for d in rows), sum(d["stale_tokens"] for d in rows)
+        unknown = sum(d["unknown_version_tokens"] for d in rows)
+        seen = trained + stale + unknown
+
+        def of_calls(key: str) -> int:
+            return sum(d["calls"].get(key, 0) for d in rows)
+
+        def mean(key: str, among: list[dict] = rows) -> float:
+            return _mean_of([d[key] or 0 for d in among])
+
+        print(f"{mode:>8}: iteration {_mean_of(walls):.1f} s (rollouts {mean('rollout_s'):.1f}, training "
+              f"{mean('train_s'):.1f}, sync {mean('sync_s'):.2f}); vLLM idle per sync "
+              f"{mean('sync_stall_s', synced):.2f} s, drain {mean('sync_drain_s', synced):.2f} s; stale "
+              f"{stale}/{seen} tokens ({_frac(stale, seen)}), unknown version {unknown}; calls straddling a "
+              f"sync {of_calls('straddling')}/{of_calls('calls')}; in the calls, tokens older than the "
+              f"trained version - 1: {_frac(of_calls('stale'), of_calls('tokens'))}, of no known version "
+              f"{of_calls('unknown')}; wall {arms[mode][1]:.0f} s with vLLM's start")
+
+
+def _num(x, width: int, digits: int) -> str:
+    return f"{x:>{width}.{digits}f}" if x is not None else f"{'-':>{width}}"
+
+
+def _mean_of(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else float("nan")
 
 
 # ---- long runs, on stand-ins ------------------------------------------------------------------
@@ -323,11 +466,28 @@ def main() -> int:
     ap.add_argument("--read", help="only report on this finished run directory")
     ap.add_argument("--compare-staleness", action="store_true",
                     help="run K=0 and K=1 (--max-staleness) side by side and compare iterations per hour")
+    ap.add_argument("--compare-sync-mode", action="store_true",
+                    help="the demo's loop at --max-staleness 1, --sync-mode inflight then drain, side by side")
+    ap.add_argument("--demo-samples", type=int, default=None,
+                    help="--compare-sync-mode: samples per task (default: the demo's)")
+    ap.add_argument("--demo-workers", type=int, default=None,
+                    help="--compare-sync-mode: the node's RUN slots (default: the demo's; fewer: longer "
+                         "rollouts, so that the sync lands in calls in flight)")
+    ap.add_argument("--no-held-out", action="store_true", help="--compare-sync-mode: no held-out tasks")
     args = ap.parse_args()
     if args.iterations is None:
-        args.iterations = 2 if (args.demo or args.compare_staleness) else 200
+        args.iterations = 2 if (args.demo or args.compare_staleness) else 3 if args.compare_sync_mode else 200
     if args.read:
         return 0 if report(Path(args.read), None) else 1
+    if args.compare_sync_mode:
+        arms = {}
+        for mode in ("inflight", "drain"):   # one after the other on the same machine; vLLM restarts for each
+            out = Path(f"{args.out}-{mode}")
+            wall, counts = run_sync_mode(out, mode, args.iterations, args.backend, args.demo_samples,
+                                         not args.no_held_out, args.demo_workers)
+            arms[mode] = (out, wall, counts)
+        report_sync_modes(arms)
+        return 0
     if not (args.demo or args.compare_staleness):
         out = Path(args.out)
         if (out / "run").exists():

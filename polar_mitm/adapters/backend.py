@@ -281,10 +281,13 @@ class WeightSpan(TypedDict):
 
 class RenderedPrompt(NamedTuple):
     """The prompt as /render made it: its ids as JSON text (never Python ints: tens of
-    thousands go to the store as they are), how many, and the last few (derender reads those)."""
+    thousands go to the store as they are) and the last few (derender reads those)."""
     ids_json: bytes
-    n_tokens: int
     tail: list[int]
+
+    def ids_counted(self) -> int:
+        """How many ids (a pass over the text: generate's usage says it for free)."""
+        return self.ids_json.count(b",") + 1
 
 
 def rendered_prompt(render_answer: bytes) -> RenderedPrompt:
@@ -300,10 +303,10 @@ def rendered_prompt(render_answer: bytes) -> RenderedPrompt:
         end = render_answer.find(b"]", start)
         raw = render_answer[start:end + 1] if end > 0 else b""
         if raw[:1] == b"[" and raw.translate(None, _ID_BYTES) == b"[]":
-            raw = raw.translate(None, b" \n\r\t")
+            if b" " in raw or b"\n" in raw or b"\r" in raw or b"\t" in raw:   # vLLM's has none: no copy
+                raw = raw.translate(None, b" \n\r\t")
             if raw != b"[]":
-                tail = [int(t) for t in raw[1:-1].rsplit(b",", 4)[-4:]]
-                return RenderedPrompt(raw, raw.count(b",") + 1, tail)
+                return RenderedPrompt(raw, [int(t) for t in raw[1:-1].rsplit(b",", 4)[-4:]])
     raise BackendError("the model backend's /v1/chat/completions/render answer has no token ids")
 
 
@@ -335,7 +338,14 @@ def derender_body(generated: dict, chat_payload: bytes, prompt: RenderedPrompt) 
     answer = {**generated, "choices": [choice], "prompt_token_ids": None}
     return (b'{"generate_response":' + orjson.dumps(answer) + b',"chat_request":' + chat_payload
             + b',"prompt_token_ids":' + orjson.dumps(prompt.tail) + b',"prompt_tokens":'
-            + str(prompt.n_tokens).encode() + b"}")
+            + str(_prompt_tokens(generated, prompt)).encode() + b"}")
+
+
+def _prompt_tokens(generated: dict, prompt: RenderedPrompt) -> int:
+    """The prompt's length: generate's usage (vLLM counted it), else the ids counted."""
+    usage = generated.get("usage")
+    n = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return n if isinstance(n, int) and n > 0 else prompt.ids_counted()
 
 
 def completion_from_generate(derendered: Any, generated: dict, prompt: RenderedPrompt) -> dict:
@@ -359,7 +369,7 @@ def completion_from_generate(derendered: Any, generated: dict, prompt: RenderedP
             "choices": [{"index": 0, "message": msg, "finish_reason": message.get("finish_reason"),
                          "stop_reason": stop, "token_ids": ids,
                          "logprobs": {"content": [{"logprob": t.get("logprob", 0.0)} for t in lp]}}],
-            "usage": {"prompt_tokens": usage.get("prompt_tokens") or prompt.n_tokens,
+            "usage": {"prompt_tokens": usage.get("prompt_tokens") or _prompt_tokens(generated, prompt),
                       "completion_tokens": usage.get("completion_tokens") or len(ids)},
             "weight_versions": choice.get("weight_versions")}
 

@@ -142,7 +142,9 @@ class BackendClient:
             self.timeout = ctx.options.polar_backend_timeout
             limit = ctx.options.polar_max_concurrency or None
             try:   # never through a proxy: the backend is reached directly
-                self.client = BackendHTTP(self.base, timeout=self.timeout, connect_timeout=10)
+                # the token route makes three exchanges a call: idle connections are kept for
+                # 128 calls at once (at 32, 64 clients opened a new one every ~5 calls)
+                self.client = BackendHTTP(self.base, timeout=self.timeout, connect_timeout=10, max_idle=128)
             except ValueError as e:
                 raise exceptions.OptionsError(f"polar_backend: {e}") from None
             self.slots = asyncio.Semaphore(limit) if limit else None
@@ -293,13 +295,9 @@ class BackendClient:
         only then its KV cache's, so the two never peak together. inflight: the engine pauses
         the requests it runs where they are (/pause?mode=keep, with clear_cache=true sent
         explicitly: the route's default, which its docstring says keep mode ignores and the
-        engine applies: their KV is recomputed under the new weights), then resumes them; a
-        pull's bytes are fetched into vLLM's workers before the pause."""
+        engine applies: their KV is recomputed under the new weights), then resumes them (a
+        pull is best fetched first, prefetch(), while the engine still serves)."""
         seconds = SwapSeconds()
-        if source.pull_url and inflight:
-            t0 = time.monotonic()
-            await self._prefetched(source)
-            seconds.add("prefetch", time.monotonic() - t0)
         steps: list[tuple[SwapStep, str, dict[str, Any]]] = [("wake", "/wake_up?tags=weights", {})] if wake else []
         steps += [("pause", "/pause?mode=keep&clear_cache=true", {})] if inflight else []
         steps += [("reload", "/collective_rpc", source.reload_rpc())]
@@ -323,14 +321,28 @@ class BackendClient:
         finally:
             if paused:      # never leave the engine paused: its requests would wait forever
                 t0 = time.monotonic()
-                await self._dev_post("/resume", {}, "to resume it")
+                await self._resume()
                 seconds.add("resume", time.monotonic() - t0)
         return seconds
 
-    async def _prefetched(self, source: "WeightSource", timeout: float = 600) -> None:
+    async def _resume(self, tries: int = 5) -> None:
+        """/resume, tried again while the backend does not answer (a reload that failed may
+        have closed the connection): a paused engine serves nothing until it is resumed."""
+        for i in range(tries):
+            try:
+                await self._dev_post("/resume", {}, "to resume it")
+                return
+            except (BackendUnavailable, BackendTimeout):
+                if i == tries - 1:
+                    raise
+                await asyncio.sleep(0.2 * (i + 1))
+
+    async def prefetch(self, source: "WeightSource", timeout: float = 600) -> float:
         """Has vLLM's workers fetch and check a pull's bytes (the worker extension's
-        polar_prefetch_weights) and waits until they hold them, while the engine still serves."""
-        deadline = time.monotonic() + timeout
+        polar_prefetch_weights) and waits until they hold them, while the engine still serves
+        (the load itself, paused, then takes them from memory). Returns its seconds."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout
         while True:
             resp = await self._post("/collective_rpc", source.reload_rpc("polar_prefetch_weights"))
             try:
@@ -340,7 +352,7 @@ class BackendClient:
             if "failed" in states:
                 raise backend.BackendError(f"the weight pull failed in vLLM: {resp.content[:300].decode(errors='replace')}")
             if all(s == "ready" for s in states):
-                return
+                return time.monotonic() - t0
             if time.monotonic() > deadline:
                 raise BackendTimeout(f"vLLM did not fetch the weights within {timeout:g}s")
             await asyncio.sleep(0.05)

@@ -161,7 +161,7 @@ class VersionWatch:
         self._resyncing = True
         try:
             inflight = self.backend.route == "generate"
-            await self.gate.sync(lambda wake: self.swap(WeightSource(checkpoint), version, wake, inflight),
+            await self.gate.sync(lambda wake: self.swap(WeightSource(checkpoint), version, wake, inflight and not wake),
                                  version, checkpoint, inflight)
         except AdapterError as e:
             log.error("polar: re-syncing version %d from %s failed (tried again at the next check): %s",
@@ -336,7 +336,13 @@ class WeightSync:
             return _error(400, 'expected {"checkpoint": "DIR", "version": INTEGER} or {"pull": {"url": URL, '
                                '"sha256": HEX}, "version": INTEGER, "checkpoint": DIR or null}')
         checkpoint = source.checkpoint
-        inflight = await self.sync_mode() == "inflight"
+        try:
+            inflight = await self.sync_mode() == "inflight"
+            # a pull is fetched into vLLM's workers first, while calls go on: nothing is held for it
+            prefetch_s = await self.backend.prefetch(source) if source.pull_url else None
+        except AdapterError as e:
+            log.error("polar: the weight sync to version %d failed before it began: %s", version, e)
+            return _error(502, f"the weight sync failed; version {self.gate.version} still serves: {e}")
 
         async def swap(wake: bool):
             async with self.watch.lock():
@@ -352,13 +358,15 @@ class WeightSync:
                     tag = expected        # down or without the endpoint: the watch says so on its own
                 if tag != expected and self.gate.lost():
                     log.error("polar: before the sync, the backend's weights were tagged %r, not %r", tag, expected)
-            return await self.watch.swap(source, version, wake, inflight)
+            return await self.watch.swap(source, version, wake, inflight and not wake)   # asleep: nothing runs
         try:
             report = await self.gate.sync(swap, version, checkpoint, inflight)
         except AdapterError as e:
             log.error("polar: the weight sync to version %d failed: %s", version, e)
             return _error(502, f"the weight sync failed; version {self.gate.version} still serves: {e}")
         self.syncs += 1
+        if report.steps is not None:
+            report.steps.prefetch_s = prefetch_s
         log.info("polar: policy version %d from %s, %s (held %d calls, drained %d in %.2fs, swap %.2fs, "
                  "stall %.2fs)", version, source.pull_url and "a pull" or checkpoint, report.mode, report.held,
                  report.drained, report.drain_s, report.swap_s, report.stall_s or 0.0)
@@ -378,7 +386,7 @@ def _sync_request(content: bytes | None) -> tuple[WeightSource, int]:
         if not checkpoint:
             raise KeyError("checkpoint")
         return WeightSource(checkpoint), version
-    url, sha = pull["url"], pull["sha256"]
+    url, sha = pull["url"], pull["sha256"].lower() if isinstance(pull["sha256"], str) else None
     if not (isinstance(url, str) and url.startswith(("http://", "https://")) and isinstance(sha, str)
             and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
         raise ValueError

@@ -269,12 +269,17 @@ def format_builders(rows: list[dict]) -> str:
               help="How a sync swaps vLLM's weights: inflight (vLLM pauses its calls where they are, "
                    "reloads, tags, resumes; every token keeps its version), drain (new calls held, calls "
                    "in flight finish, then the reload), auto (inflight where vLLM has the token route)")
+@click.option("--weights-from", default=_LOOP["weights_from"], show_default=True,
+              type=click.Choice(["disk", "memory"]),
+              help="Where a sync's weights come from: disk (vLLM reloads the checkpoint folder) or memory "
+                   "(the trainer serves them over HTTP, vLLM's worker extension pulls and checks them; the "
+                   "folder is still written, for resume, while the sync runs)")
 @report_to_option
 @session_limit_option
 @trainer_options
 def loop(tasks_file, iterations, out, harness, samples, model, backend, eval_tasks_file, eval_every, workers,
-         max_tokens, keep, vllm, max_staleness, server, colocate, sync_mode, report_to, session_limits,
-         **options):
+         max_tokens, keep, vllm, max_staleness, server, colocate, sync_mode, weights_from, report_to,
+         session_limits, **options):
     """The closed loop: rollouts through a real harness, GRPO, the new weights synced into the
     running vLLM, the next rollouts.
 
@@ -285,7 +290,7 @@ def loop(tasks_file, iterations, out, harness, samples, model, backend, eval_tas
                        eval_tasks_file=eval_tasks_file, eval_every=eval_every, workers=workers,
                        max_tokens=max_tokens, keep=keep, vllm=vllm, max_staleness=max_staleness,
                        server=server or None, colocate=colocate, report_to=report_to,
-                       session_limits=session_limits, sync_mode=sync_mode)
+                       session_limits=session_limits, sync_mode=sync_mode, weights_from=weights_from)
     interruptible_loop(opts, train_config(**options))
 
 

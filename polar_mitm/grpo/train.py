@@ -54,6 +54,8 @@ from .trajectories import build
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
+    from .weight_server import Published, WeightServer
+
 logger = logging.getLogger("polar.train")
 
 
@@ -319,6 +321,12 @@ class Trainer:
     def save(self, target: Path) -> None:
         """The weights as a directory vLLM serves or reloads (see save_checkpoint)."""
         save_checkpoint(self.lm, self.model_dir, Path(target), self.world, self.rank)
+
+    def publish(self, server: "WeightServer") -> "Published":
+        """The weights served from memory (one process): a snapshot copy, so training may go on."""
+        if self.world > 1:
+            raise TrainError("--weights-from memory needs a trainer of one process (it serves the weights itself)")
+        return server.publish(self.lm.state_dict())
 
     def save_state(self, path: Path) -> None:
         """AdamW's moments and the schedule's clock, to resume a loop (one process)."""

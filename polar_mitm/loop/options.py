@@ -30,6 +30,9 @@ class LoopOptions:
     # how each sync swaps vLLM's weights: inflight (paused where the calls are, each token keeps
     # its version), drain (hold, drain, reload), auto (inflight where vLLM has the token route)
     sync_mode: str = "auto"
+    # where a sync's weights come from: disk (vLLM reads the checkpoint folder) or memory (the
+    # trainer serves them over HTTP and vLLM pulls them; the folder is written meanwhile, for resume)
+    weights_from: str = "disk"
     report_to: tuple[str, ...] = ()       # experiment trackers (trackers.TRACKERS)
     session_limits: dict = field(default_factory=dict)   # the node's limits per session (limits.parse_limits)
 

@@ -86,6 +86,9 @@ def run_loop(opts: LoopOptions, train_cfg: TrainConfig, echo: Callable[[str], No
             nodes.sync(state.version, state.checkpoint or base)
         loop = Loop(opts, train_cfg, out, db, state, tasks, nodes, where.backend, base,
                     _trainer(state, base, train_cfg), trackers, echo)
+        if opts.weights_from == "memory":   # each version served from the trainer's memory
+            from ..grpo.weight_server import WeightServer
+            loop.weights = running.enter_context(WeightServer())
         for it in range(state.completed, opts.iterations):
             echo(iteration_line(_iteration(loop, it)))
         return _summary(db, state.run_id, out, echo)
@@ -112,6 +115,9 @@ def _check_options(opts: LoopOptions) -> None:
     if opts.colocate and opts.max_staleness:
         raise LoopError("--colocate needs --max-staleness 0: vLLM sleeps while the trainer runs, so "
                         "nothing can be sampled then")
+    if opts.weights_from == "memory" and opts.server:
+        raise LoopError("--weights-from memory serves the weights on this machine's loopback: not with --server "
+                        "(its nodes' vLLMs read checkpoints from a filesystem both sides see)")
     if opts.model and (problem := model_dir_problem(opts.model)):   # before anything syncs to it
         raise LoopError(f"--model: {problem}")
 

@@ -27,7 +27,7 @@ from ..grpo.config import TrainConfig
 from ..grpo.results import StepMetrics, TrainResult
 from ..rollout.client import ServerClient, ServerError
 from ..rollout.judging import judge_groups
-from ..rollout.protocol import Group, SessionResult
+from ..rollout.protocol import Group, SessionResult, WeightPull
 from ..rollout.rewards import UnreachableDatabases, incomplete, release_causes, store_settled
 from ..rollout.spec import TaskRequest
 from ..rollout.states import TASK_SETTLED, TERMINAL, Session
@@ -41,6 +41,7 @@ from .state import LoopError, LoopState, Saved, prune
 from .trackers import Trackers
 
 if TYPE_CHECKING:
+    from ..grpo.weight_server import WeightServer
     from ..grpo.train import Trainer
 
 
@@ -68,11 +69,12 @@ class Nodes:
         if self.stack.dead():
             raise LoopError(f"a service stopped: {self.stack.why_dead()}")
 
-    def sync(self, version: int, checkpoint: str, asleep: bool = False) -> SyncFigures:
+    def sync(self, version: int, checkpoint: str, asleep: bool = False,
+             pull: WeightPull | None = None) -> SyncFigures:
         """Every node's gateway and vLLM to (version, checkpoint), or asleep; the slowest
-        node's figures (drain, wake, reload, reset)."""
+        node's figures (drain, wake, reload, reset). pull: the weights in the trainer's memory."""
         try:
-            reports = self.client.sync_nodes(version, checkpoint, asleep, check=self.check)
+            reports = self.client.sync_nodes(version, checkpoint, asleep, check=self.check, pull=pull)
         except ServerError as e:
             raise LoopError(f"the weight sync to version {version} failed: {e}") from None
         return slowest(SyncReport.from_json(r.get("detail")) for r in reports.values())
@@ -94,6 +96,7 @@ class Loop:
     trackers: Trackers
     echo: Callable[[str], None]
     folded: threading.Event | None = field(default=None)   # the last iteration's journal fold
+    weights: "WeightServer | None" = None    # --weights-from memory: the trainer serves each version
 
     @property
     def serving(self) -> str:
@@ -296,7 +299,10 @@ def train(loop: Loop, it: int, calls: TrainableCalls) -> Trained:
             result = _train(loop, it, calls)
         except TrainError as e:
             loop.echo(f"iteration {it + 1}: nothing trained: {_train_error(e, calls.data, calls.stale)}")
-    saved = _save(loop) if result is not None and result.history else None
+    saved = None
+    if result is not None and result.history:
+        # from memory, the folder is written while the sync runs (publish_and_sync)
+        saved = _planned(loop) if loop.weights is not None else _save(loop)
     return Trained(result, saved, sleep_s, time.monotonic() - t0)
 
 
@@ -319,9 +325,14 @@ def _train(loop: Loop, it: int, calls: TrainableCalls) -> TrainResult:
             bar.__exit__(None, None, None)
 
 
-def _save(loop: Loop) -> Saved:
-    saved = Saved(loop.out / "checkpoints" / f"v{loop.state.version + 1}",
-                  loop.out / "trainer" / f"v{loop.state.version + 1}.pt")
+def _planned(loop: Loop) -> Saved:
+    """Where the next version's checkpoint and trainer state go."""
+    return Saved(loop.out / "checkpoints" / f"v{loop.state.version + 1}",
+                 loop.out / "trainer" / f"v{loop.state.version + 1}.pt")
+
+
+def _save(loop: Loop, saved: Saved | None = None) -> Saved:
+    saved = saved or _planned(loop)
     loop.trainer.save(saved.checkpoint)
     saved.trainer_state.parent.mkdir(exist_ok=True)
     loop.trainer.save_state(saved.trainer_state)
@@ -343,7 +354,8 @@ def publish_and_sync(loop: Loop, trained: Trained) -> Synced:
     version = loop.state.version
     figures = SyncFigures()
     if trained.saved is not None:
-        figures = loop.nodes.sync(version + 1, str(trained.saved.checkpoint))
+        figures = _synced_from_memory(loop, trained.saved) if loop.weights is not None else \
+            loop.nodes.sync(version + 1, str(trained.saved.checkpoint))
         record_version(loop.db, loop.state.run_id, version + 1, str(trained.saved.checkpoint))
         loop.state.publish(trained.saved)
         loop.echo(f"synced policy v{version + 1} ({figures.mode or 'drain'}): drained {figures.drained or 0} "
@@ -352,6 +364,34 @@ def publish_and_sync(loop: Loop, trained: Trained) -> Synced:
     elif loop.opts.colocate:
         figures = loop.nodes.sync(version, loop.serving)
     return Synced(figures, time.monotonic() - t0)
+
+
+def _synced_from_memory(loop: Loop, saved: Saved) -> SyncFigures:
+    """--weights-from memory: the trainer serves the new weights and every node's vLLM pulls
+    them; the checkpoint folder (for resume, and what a gateway reloads into a restarted vLLM)
+    is written meanwhile, and waited for before the version is recorded."""
+    assert loop.weights is not None
+    t0 = time.monotonic()
+    published = loop.trainer.publish(loop.weights)
+    loop.echo(f"published v{loop.state.version + 1} from memory: {published.bytes / 1e6:.0f} MB in "
+              f"{time.monotonic() - t0:.2f}s")
+    failed: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            _save(loop, saved)
+        except BaseException as e:   # noqa: BLE001  (raised below, in the loop's thread)
+            failed.append(e)
+
+    writer = threading.Thread(target=write, name="checkpoint-writer")
+    writer.start()
+    try:
+        return loop.nodes.sync(loop.state.version + 1, str(saved.checkpoint),
+                               pull=WeightPull(url=published.url, sha256=published.sha256))
+    finally:
+        writer.join()
+        if failed:
+            raise failed[0]
 
 
 # 5. record --------------------------------------------------------------------------------------

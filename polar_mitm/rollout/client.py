@@ -10,7 +10,8 @@ from typing import Any, Callable
 
 import httpx
 
-from .protocol import Group, GroupsReply, GroupsRequest, PolicyReport, PolicyRequest, PolicyStatus, PolicyTarget
+from .protocol import (Group, GroupsReply, GroupsRequest, PolicyReport, PolicyRequest, PolicyStatus, PolicyTarget,
+                       WeightPull)
 from .spec import TaskRequest
 from .web_guard import auth_headers, client_token
 
@@ -67,10 +68,14 @@ class ServerClient:
         return self._call("GET", "/policy").json()
 
     def sync_nodes(self, version: int, checkpoint: str, asleep: bool = False, timeout: float = 900.0,
-                   check: Callable[[], None] = lambda: None) -> dict[str, PolicyReport]:
+                   check: Callable[[], None] = lambda: None,
+                   pull: WeightPull | None = None) -> dict[str, PolicyReport]:
         """Every live node serves (version, checkpoint), or sleeps: set the target, then wait
         for their reports. Returns each node's report; a node's failure raises ServerError."""
-        r = self._call("POST", "/policy", PolicyRequest(version=version, checkpoint=checkpoint, asleep=asleep))
+        request = PolicyRequest(version=version, checkpoint=checkpoint, asleep=asleep)
+        if pull is not None:
+            request["pull"] = pull
+        r = self._call("POST", "/policy", request)
         if r.status_code != 200:
             raise ServerError(f"the rollout server did not take the policy: {r.text[:500]}")
         target: PolicyTarget = r.json()

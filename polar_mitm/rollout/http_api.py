@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException
 
 from .protocol import (CancelReply, CancelRequest, Group, GroupsReply, GroupsRequest, Heartbeat, HeartbeatReply,
                        Number, PolicyRequest, PolicyStatus, PolicyTarget, Status, SubmitReply, Submitted, TaskList,
-                       TaskStatus)
+                       TaskStatus, WeightPull)
 from .spec import (ENGINES, HARNESSES, LOG_PARSERS, NETWORKS, ON_FAILURE, REWARD_COVERS, TaskChanged, TaskError,
                    TaskExists, TaskRequest,
                    parse_task)
@@ -61,7 +61,8 @@ class RolloutAPI(Protocol):
     def cancel(self, task_id: str, reason: str = ...) -> bool: ...
     def status(self) -> Status: ...
     def policy_status(self) -> PolicyStatus: ...
-    def set_policy(self, version: int, checkpoint: str, asleep: bool = False) -> PolicyTarget: ...
+    def set_policy(self, version: int, checkpoint: str, asleep: bool = False,
+                   pull: WeightPull | None = None) -> PolicyTarget: ...
     def heartbeat(self, body: Heartbeat) -> HeartbeatReply: ...
 
 
@@ -342,7 +343,7 @@ def make_app(server: RolloutAPI, threads: int = 64) -> FastAPI:
 
     @app.post("/policy", response_model=PolicyTarget)
     def set_policy(body: PolicyRequest) -> PolicyTarget:
-        return server.set_policy(body["version"], body["checkpoint"], body.get("asleep", False))
+        return server.set_policy(body["version"], body["checkpoint"], body.get("asleep", False), body.get("pull"))
 
     # -- nodes -------------------------------------------------------------------------------
     @app.post("/nodes/heartbeat", response_model=HeartbeatReply)

@@ -321,7 +321,10 @@ class CappedLog:
         self.path, self.cap, self.rate = path, cap, rate
         self.dropped = 0
         self._r, self.fd = os.pipe()
-        self._file = open(path, "w+b")     # read too: the tail is read back to keep it
+        # read too: the tail is read back to keep it. Unbuffered: what the thread read is in the
+        # file at once, so the run's tail (an evaluator's reward line) is there even where the
+        # thread is still draining a stray writer when the run's result is made
+        self._file = open(path, "w+b", buffering=0)
         self._size = 0
         self._ending = threading.Event()
         self._thread = threading.Thread(target=self._pump, name=f"log-{path.name}", daemon=True)

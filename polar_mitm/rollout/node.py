@@ -410,7 +410,10 @@ class GatewayNode:
             if target["asleep"]:
                 r = self._control("/_polar/sleep", {"level": 2})   # it reloads on waking anyway
             else:
-                r = self._control("/_polar/sync", {"checkpoint": target["checkpoint"], "version": target["version"]})
+                # the trainer's memory where it published the weights (the folder is a resync's)
+                pull = {"pull": target["pull"]} if target.get("pull") else {}
+                r = self._control("/_polar/sync", {"checkpoint": target["checkpoint"], "version": target["version"],
+                                                   **pull})
         except httpx.HTTPError as e:
             return {**report, "error": f"the proxy did not answer: {e}"}
         if r.status_code != 200:

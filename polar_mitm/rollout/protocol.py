@@ -89,6 +89,7 @@ class PolicyTarget(TypedDict):
     version: int
     checkpoint: str
     asleep: bool
+    pull: NotRequired[WeightPull | None]
 
 
 @with_config(_ANSWER)
@@ -191,10 +192,19 @@ class Status(TypedDict):
 
 # -- the policy --------------------------------------------------------------------------------
 @with_config(ConfigDict(extra="forbid"))
+class WeightPull(TypedDict):
+    """The version's weights in the trainer's memory: one safetensors blob at url (its
+    sha256), which each node's vLLM pulls (polar_mitm/vllm_ext/weight_pull.py)."""
+    url: StrictStr
+    sha256: StrictStr
+
+
+@with_config(ConfigDict(extra="forbid"))
 class PolicyRequest(TypedDict):
     version: StrictInt
     checkpoint: StrictStr
     asleep: NotRequired[StrictBool]
+    pull: NotRequired[WeightPull | None]    # else each node's vLLM reads checkpoint
 
 
 @with_config(_ANSWER)

@@ -36,7 +36,7 @@ from ..store import rollout_journal as journal
 from ..store.journal_log import JournalLog
 from .http_api import ThreadedUvicorn, make_app
 from .protocol import (Group, Heartbeat, HeartbeatReply, PolicyStatus, PolicyTarget, Status, TaskBrief,
-                       TaskStatus)
+                       TaskStatus, WeightPull)
 from .scheduler import (CallbackDue, Effect, Noted, Scheduler, SessionMoved, SessionState, TaskMoved, TaskState,
                         TaskView)
 from .spec import TaskRequest, check_workspace, parse_task, task_from_json
@@ -236,12 +236,14 @@ class RolloutServer:
         return out
 
     # -- the policy the nodes serve ----------------------------------------------------------
-    def set_policy(self, version: int, checkpoint: str, asleep: bool = False) -> PolicyTarget:
+    def set_policy(self, version: int, checkpoint: str, asleep: bool = False,
+                   pull: WeightPull | None = None) -> PolicyTarget:
         """The new target of every node (each gets a fresh id, so setting the same one again
-        is a retry); nodes sync to it in their next heartbeats."""
+        is a retry); nodes sync to it in their next heartbeats. pull: its weights in the
+        trainer's memory (checkpoint is still what a node reloads after a restart)."""
         with self._lock:
             self.policy = PolicyTarget(id=secrets.token_hex(4), version=int(version), checkpoint=str(checkpoint),
-                                       asleep=bool(asleep))
+                                       asleep=bool(asleep), pull=pull)
             self._changed.notify_all()
             return PolicyTarget(**self.policy)
 

@@ -103,9 +103,11 @@ def test_colocate_puts_vllm_to_sleep_for_training_and_wakes_it_with_the_new_weig
         assert fake.weights == state["checkpoint"] == str(out / "checkpoints" / "v2")
         sync = ["/wake_up?tags=weights", "/collective_rpc", "/wake_up?tags=kv_cache", "/reset_prefix_cache",
                 "/update_weight_version"]
-        start = ["/collective_rpc", "/reset_prefix_cache", "/update_weight_version"]   # --backend: v0 first
+        # --backend: v0 first, in flight (vLLM awake, the stand-in has the token route); each
+        # later sync wakes a sleeping vLLM, so it is in drain mode (nothing runs in a sleeping one)
+        start = ["/pause?mode=keep&clear_cache=true", "/collective_rpc", "/update_weight_version", "/resume"]
         # (the gateway's version watch may have tagged the untagged stand-in before that sync)
-        control = fake.control[1:] if fake.control[:2] == ["/update_weight_version", "/collective_rpc"] \
+        control = fake.control[1:] if fake.control[:2] == ["/update_weight_version", start[0]] \
             else fake.control
         assert control == start + (["/sleep?level=2"] + sync) * 2, fake.control
     db = out / "rollouts.duckdb"

@@ -69,6 +69,35 @@ def test_two_iterations_in_process_fill_every_column_from_the_steps(tmp_path):
     assert "loaded: []" in r.stdout, r.stdout
 
 
+def test_weights_from_memory_are_pulled_by_vllm_and_the_folder_is_still_written(tmp_path):
+    """--weights-from memory: each sync hands vLLM the trainer's weights over HTTP (the stand-in
+    fetches them and checks their sha256, as the worker extension does), in flight; the
+    checkpoint folder is written meanwhile, for resume and for a gateway's reload after a
+    restart."""
+    model = str(tiny_model_dir(tmp_path / "model"))
+    out = tmp_path / "run"
+    said: list[str] = []
+    with FakeVLLM(delay=0.01) as fake:
+        fake.fetch_pulls = True
+        opts = LoopOptions(tasks_file=str(fake_tasks(tmp_path, "ok 2")), iterations=2, out=out, harness="command",
+                           samples=2, backend=fake.url, model=model, workers=2, max_tokens=8, weights_from="memory")
+        rows = run_loop(opts, TrainConfig(lr=1e-3, token_budget=256), echo=said.append)
+        state = LoopState.load(out)
+    assert state is not None and (state.completed, state.version) == (2, 2)
+    pulls = [(m, kw) for m, kw in fake.rpcs if m == "polar_pull_weights"]
+    prefetches = [kw for m, kw in fake.rpcs if m == "polar_prefetch_weights"]
+    assert len(pulls) == 2 and prefetches == [kw for _, kw in pulls], fake.rpcs
+    assert len({kw["sha256"] for _, kw in pulls}) == 2 and all(kw["url"].startswith("http://127.0.0.1:")
+                                                               for _, kw in pulls)
+    assert {s for s, _ in fake.pulled} == {kw["sha256"] for _, kw in pulls} and all(n > 0 for _, n in fake.pulled)
+    assert fake.weights == pulls[-1][1]["url"] and fake.weight_version == "polar-v2"
+    for v in (1, 2):    # the folders, for resume
+        assert (out / "checkpoints" / f"v{v}" / "config.json").is_file()
+    assert state.checkpoint == str(out / "checkpoints" / "v2")
+    assert [r["sync_mode"] for r in rows] == ["inflight", "inflight"]
+    assert sum(line.startswith("published v") and "from memory" in line for line in said) == 2, said
+
+
 def test_the_gateways_sync_report_reaches_the_loop_through_one_type():
     # every swap step the gateway times has its own figure
     assert {f"{s}_s" for s in typing.get_args(SwapStep)} == {f.name for f in fields(SwapSeconds)}

@@ -29,10 +29,11 @@ POLAR = str(Path(sys.executable).parent / "polar-mitm")
 
 
 class TimedVLLM(FakeVLLM):
-    """The scripted backend, noting when each completion was being generated (unix seconds)."""
+    """The scripted backend, noting when each completion was being generated (unix seconds):
+    on /v1/chat/completions, where answer() runs once the delay is over."""
 
     def __init__(self, delay: float):
-        super().__init__("scripted")
+        super().__init__("scripted", token_route=False)
         self.delay = delay
         self.intervals: list[tuple[float, float]] = []
         self._lock = threading.Lock()

@@ -114,7 +114,7 @@ def test_errors_are_mapped_by_type_and_answers_are_typed(server):
     status = httpx.get(f"{u}/status").json()
     assert status["sessions"] == {"pending": 1, "done": 1} and status["nodes"]["n"]["free"] == 0
     target = httpx.post(f"{u}/policy", json={"version": 2, "checkpoint": "/ckpt"}).json()
-    assert set(target) == {"id", "version", "checkpoint", "asleep"} and target["asleep"] is False
+    assert set(target) == {"id", "version", "checkpoint", "asleep", "pull"} and target["asleep"] is False
     assert httpx.get(f"{u}/policy").json()["target"] == target
     schema = httpx.get(f"{u}/openapi.json").json()
     assert {"/tasks", "/nodes/heartbeat", "/policy", "/groups", "/status"} <= set(schema["paths"])

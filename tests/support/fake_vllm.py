@@ -110,6 +110,9 @@ class FakeVLLM:
         self.reloading = False
         self.control: list[str] = []      # dev-mode calls, in order (path with query)
         self.rpcs: list[tuple[str, dict]] = []   # /collective_rpc (method, kwargs), in order
+        # fetch_pulls: a pull's URL is fetched and its sha256 checked, as the worker extension does
+        self.fetch_pulls = False
+        self.pulled: list[tuple[str, int]] = []  # (sha256, bytes) of the blobs it fetched
         self.sleeping: set[str] = set()   # what sleeps: "weights", "kv_cache"
         self.weight_version: str | None = "default"   # /update_weight_version's tag (vLLM starts with "default")
         self.restarts = 0
@@ -121,6 +124,7 @@ class FakeVLLM:
         self.token_route = token_route
         self._rendered: dict[str, dict] = {}      # request_id -> the chat body it was rendered from
         self._generated: dict[str, dict] = {}     # request_id -> the chat completion it sampled
+        self._answers: dict[str, dict] = {}       # request_id -> the scripted answer render asked for
         self.unpaused = threading.Event()         # /pause?mode=keep clears it: tokens wait
         self.unpaused.set()
         # an outage in progress: "refuse" (connections dropped, the port closed) or "503"
@@ -267,11 +271,15 @@ class FakeVLLM:
             return too_long
         if self.mode == "context":
             return 400, CONTEXT_ERROR
-        # the ids the completion will record: the scripted answer's (answer() may be overridden)
-        prompt = self.answer(body)["prompt_token_ids"] if self.mode == "scripted" else [1, 2, 3]
+        # the ids the completion will record: the scripted answer's (answer() may be overridden;
+        # it is asked once, here, and generate samples what it said)
+        answer = self.answer(body) if self.mode == "scripted" else None
+        prompt = answer["prompt_token_ids"] if answer is not None else [1, 2, 3]
         rid = f"chatcmpl-fake-{next(self._ids)}"
         with self.lock:
             self._rendered[rid] = body
+            if answer is not None:
+                self._answers[rid] = answer
         sampling = {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed")
                     if k in body}
         return 200, orjson.dumps({"request_id": rid, "token_ids": prompt, "features": None,
@@ -293,7 +301,9 @@ class FakeVLLM:
             self.served_asleep += 1
             return 500, ASLEEP
         t0, weights = time.monotonic(), self.weights
-        status, content = self._completion(body, weights)
+        with self.lock:
+            answer = self._answers.pop(rid, None)
+        status, content = (200, orjson.dumps(answer)) if answer is not None else self._completion(body, weights)
         if status != 200 or self.mode in ("badjson", "odd"):     # the engine's failure, after its time
             if self.delay:
                 time.sleep(self.delay)
@@ -395,6 +405,9 @@ class FakeVLLM:
         if route == "/collective_rpc":
             method, kwargs = body.get("method"), body.get("kwargs") or {}
             self.rpcs.append((method, kwargs))
+            if method in ("polar_prefetch_weights", "polar_pull_weights") and self.fetch_pulls:
+                if (failed := self._fetch(kwargs)) is not None:
+                    return 500, orjson.dumps({"error": {"message": failed}})
             if method == "polar_prefetch_weights":     # the worker extension's (vllm_ext/weight_pull.py)
                 return 200, b'{"results": [{"state": "ready"}]}'
             t0 = time.monotonic()
@@ -406,6 +419,21 @@ class FakeVLLM:
             self.reloading = False
             self.reloads.append((t0, time.monotonic(), self.weights))
         return 200, b'{"results": [null]}'
+
+    def _fetch(self, kwargs: dict) -> str | None:
+        """A pull's blob fetched and checked (None), or why it failed."""
+        import hashlib
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(kwargs["url"], timeout=30) as r:
+                blob = r.read()
+        except OSError as e:
+            return f"the pull failed: {e}"
+        if hashlib.sha256(blob).hexdigest() != kwargs["sha256"]:
+            return "the pulled weights' sha256 does not match"
+        self.pulled.append((kwargs["sha256"], len(blob)))
+        return None
 
     def _generate(self, body: dict) -> tuple[int, bytes]:
         """A completion (any other POST path), by the weights it holds when it starts."""

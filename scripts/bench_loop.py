@@ -178,12 +178,12 @@ def report_sync_modes(arms: dict[str, tuple[Path, float, list[tuple[int, int]]]]
     figures: dict[str, list[dict]] = {}
     for mode, (out, _, counts) in arms.items():
         db = out / "rollouts.duckdb"
-        _, rows = query(db, f"SELECT {', '.join(cols)} FROM loop_iterations ORDER BY iteration")
+        _, stored = query(db, f"SELECT {', '.join(cols)} FROM loop_iterations ORDER BY iteration")
         from_calls = token_versions_by_iteration(db)
         across = in_flight_at_sync(db)
         last = None
         figures[mode] = []
-        for i, r in enumerate(rows):
+        for i, r in enumerate(stored):
             d = dict(zip(cols, r))
             d["wall"] = (d["finished_at"] - last).total_seconds() if last is not None else None
             last = d["finished_at"]

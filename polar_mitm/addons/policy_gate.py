@@ -5,7 +5,9 @@ tagged with the version in force when it entered. A sync (1) holds new calls (th
 are not refused: a streaming client gets keepalives meanwhile), (2) lets the calls in flight
 finish, (3) swaps the weights (vLLM reloads the checkpoint in place and resets its prefix
 cache), (4) sets the new version, and (5) releases the held calls. So no call straddles a
-sync, and the version is the gateway's own.
+sync, and the version is the gateway's own. An in-flight sync (the token route, where vLLM
+labels every token itself) skips (2): vLLM pauses the calls in flight where they are, and new
+calls are held only while the swap runs.
 
 The backend can still change under the gateway (a restart puts vLLM back on the weights of its
 command line). Whoever notices (weight_sync.VersionWatch) calls lost(): the version is then

@@ -1,9 +1,10 @@
 """Weight syncs through the gateway, as an addon: `POST /_polar/sync` with the control
-token (control.py; none: no syncs) and `{"checkpoint": DIR, "version": N}`
-holds new model calls, lets those in flight finish, has vLLM reload DIR in place, resets
-its prefix cache, tags its weights polar-vN and releases the held calls (policy_gate.py).
-Every call is recorded with the integer version that sampled it; it starts at
-polar_policy_version. `POST /_polar/sleep {"level": 1|2}` (one GPU shared with the trainer)
+token (control.py; none: no syncs) and `{"checkpoint": DIR, "version": N}` (or a `pull` of
+the trainer's weights over HTTP) swaps vLLM's weights and tags them polar-vN. In flight
+(polar_sync_mode, where calls take the token route: backend_client.py): vLLM pauses its
+requests where they are, loads, tags and resumes, and each token records the version that
+sampled it. In drain mode: new calls are held, those in flight finish, vLLM reloads and resets
+its prefix cache, the held calls go (policy_gate.py). Versions start at polar_policy_version. `POST /_polar/sleep {"level": 1|2}` (one GPU shared with the trainer)
 holds and drains the same way, then puts vLLM to sleep; calls stay held until the next sync
 wakes it.
 

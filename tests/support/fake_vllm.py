@@ -83,6 +83,12 @@ def _args(schema: dict) -> dict:
     return out
 
 
+class _Server(ThreadingHTTPServer):
+    # a backlog for bursts of new connections (the token route's three requests a call at 64
+    # clients); socketserver's default of 5 drops the rest under load
+    request_queue_size = 256
+
+
 class Dropped(Exception):
     """The request is not answered: its connection is dropped (an outage that refuses)."""
 
@@ -124,7 +130,7 @@ class FakeVLLM:
         self.token_route = token_route
         self._rendered: dict[str, dict] = {}      # request_id -> the chat body it was rendered from
         self._generated: dict[str, dict] = {}     # request_id -> the chat completion it sampled
-        self._answers: dict[str, dict] = {}       # request_id -> the scripted answer render asked for
+        self._answers: dict[str, tuple[int, bytes]] = {}   # request_id -> the completion render made
         self.unpaused = threading.Event()         # /pause?mode=keep clears it: tokens wait
         self.unpaused.set()
         # an outage in progress: "refuse" (connections dropped, the port closed) or "503"
@@ -267,19 +273,20 @@ class FakeVLLM:
     def _render(self, body: dict) -> tuple[int, bytes]:
         """/v1/chat/completions/render: the prompt's ids (the ones the completion records) and
         the sampling params; the chat body is kept for generate under the request id."""
-        if (too_long := self._too_long(body)) is not None:    # refused as it is rendered
-            return too_long
-        if self.mode == "context":
-            return 400, CONTEXT_ERROR
-        # the ids the completion will record: the scripted answer's (answer() may be overridden;
-        # it is asked once, here, and generate samples what it said)
-        answer = self.answer(body) if self.mode == "scripted" else None
-        prompt = answer["prompt_token_ids"] if answer is not None else [1, 2, 3]
+        # the completion is made once, here (answer() and _completion() may be overridden:
+        # each is asked once a call), and generate samples what it said; a request's own error
+        # (its context) is refused as it is rendered, the engine's comes from generate
+        status, content = self._completion(body, self.weights or "base")
+        if status == 400:
+            return status, content
+        try:
+            prompt = orjson.loads(content).get("prompt_token_ids") or [1]
+        except (orjson.JSONDecodeError, AttributeError):    # badjson, odd: they fail at generate
+            prompt = [1, 2, 3]
         rid = f"chatcmpl-fake-{next(self._ids)}"
         with self.lock:
             self._rendered[rid] = body
-            if answer is not None:
-                self._answers[rid] = answer
+            self._answers[rid] = (status, content)
         sampling = {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed")
                     if k in body}
         return 200, orjson.dumps({"request_id": rid, "token_ids": prompt, "features": None,
@@ -302,8 +309,12 @@ class FakeVLLM:
             return 500, ASLEEP
         t0, weights = time.monotonic(), self.weights
         with self.lock:
-            answer = self._answers.pop(rid, None)
-        status, content = (200, orjson.dumps(answer)) if answer is not None else self._completion(body, weights)
+            made = self._answers.pop(rid, None)
+        status, content = made if made is not None else self._completion(body, weights)
+        if self.mode == "ok" and status == 200:      # "ok <weights>": the weights generate starts with
+            chat = orjson.loads(content)
+            chat["choices"][0]["message"]["content"] = "ok" if weights == "base" else f"ok {weights}"
+            content = orjson.dumps(chat)
         if status != 200 or self.mode in ("badjson", "odd"):     # the engine's failure, after its time
             if self.delay:
                 time.sleep(self.delay)
@@ -506,7 +517,7 @@ class FakeVLLM:
         return Handler
 
     def _bind(self, port: int) -> None:
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler)
+        self._httpd = _Server(("127.0.0.1", port), self._handler)
         self._httpd.daemon_threads = True
 
     def up(self) -> "FakeVLLM":

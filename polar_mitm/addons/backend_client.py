@@ -173,11 +173,14 @@ class BackendClient:
             try:
                 return await self._generate(payload)
             except AdapterError as e:
-                if self.route is not None or not _route_missing(e):
+                # a backend without the route (auto only): this call and every later one take chat;
+                # calls that raced to the first render find it decided already
+                if self.route_wanted == "generate" or not _route_missing(e):
                     raise
-                self.route, self.route_note = "chat", f"the backend has no token route ({str(e)[:120]})"
-                log.warning("polar: %s: calls go to /v1/chat/completions, with the gateway's versions",
-                            self.route_note)
+                if self.route != "chat":
+                    self.route, self.route_note = "chat", f"the backend has no token route ({str(e)[:120]})"
+                    log.warning("polar: %s: calls go to /v1/chat/completions, with the gateway's versions",
+                                self.route_note)
         resp = await self._post("/v1/chat/completions", payload)
         try:
             parsed, prompt_ids = backend.parse_completion(resp.content)

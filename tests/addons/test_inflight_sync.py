@@ -111,6 +111,21 @@ def test_without_the_token_route_calls_take_chat_and_a_sync_drains(start_proxy):
     assert fake.counts.get("/v1/chat/completions/render") == 1     # asked once, then never again
 
 
+def test_first_calls_at_once_all_find_the_chat_route(start_proxy):
+    """Calls that race to the first render of a backend without the token route each fall back
+    to /v1/chat/completions (none fails for finding the route decided by another)."""
+    with FakeVLLM(delay=0.3, token_route=False) as fake:
+        proxy = start_proxy(fake.url, [f"polar_control_token={TOKEN}"])
+        answers: list[str] = []
+        callers = [threading.Thread(target=lambda i=i: answers.append(ask(proxy, f"race~{i}"))) for i in range(6)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(60)
+        assert answers == ["ok"] * 6 and health(proxy)["backend_route"]["route"] == "chat"
+    assert fake.counts.get("/v1/chat/completions") == 6, fake.counts
+
+
 def test_a_sync_body_is_a_checkpoint_or_a_pull(start_proxy):
     with FakeVLLM() as fake:
         proxy = start_proxy(fake.url, [f"polar_control_token={TOKEN}"])

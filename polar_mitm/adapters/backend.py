@@ -179,24 +179,34 @@ _PROMPT_KEY = b'"prompt_token_ids":'
 _ID_BYTES = b"0123456789,- \n\r\t"
 
 
+def _id_list(content: bytes, at: int, key: bytes) -> tuple[int, int, bytes] | None:
+    """The list of ids after `key` found at `at` in a JSON answer, as (start, end, its text
+    without whitespace), without parsing it; None where `at` is no such key followed by a
+    list of integers. Each pass over the ids is one C loop, and none copies them but the
+    final slice (and the whitespace strip, where there is any)."""
+    # The key itself, not text inside a string (where its quote would follow a backslash).
+    if at <= 0 or content[max(0, at - 64):at].rstrip()[-1:] not in (b"{", b","):
+        return None
+    start = at + len(key)
+    while content[start:start + 1] in (b" ", b"\n", b"\r", b"\t"):
+        start += 1
+    end = content.find(b"]", start)
+    if content[start:start + 1] != b"[" or end < 0:
+        return None
+    raw = content[start:end + 1]
+    if raw.translate(None, _ID_BYTES) != b"[]":
+        return None
+    if b" " in raw or b"\n" in raw or b"\r" in raw or b"\t" in raw:
+        raw = raw.translate(None, b" \n\r\t")
+    return start, end, raw
+
+
 def parse_completion(content: bytes) -> tuple[Any, bytes | None]:
     """vLLM's answer, parsed, with its prompt_token_ids left as JSON text: tens of thousands
-    of ids go to the store as they are, never as Python ints. (None when not found.)
-    Each pass over the ids is one C loop, and none copies them but the final slice."""
-    at = content.rfind(_PROMPT_KEY)
-    # The key itself, not text inside a string (where its quote would follow a backslash).
-    if at > 0 and content[max(0, at - 64):at].rstrip()[-1:] in (b"{", b","):
-        start = at + len(_PROMPT_KEY)
-        while content[start:start + 1] in (b" ", b"\n", b"\r", b"\t"):
-            start += 1
-        end = content.find(b"]", start)
-        if content[start:start + 1] == b"[" and end > 0:
-            raw = content[start:end + 1]
-            if raw.translate(None, _ID_BYTES) == b"[]":
-                resp = orjson.loads(content[:start] + b"null" + content[end + 1:])
-                if b" " in raw or b"\n" in raw or b"\r" in raw or b"\t" in raw:
-                    raw = raw.translate(None, b" \n\r\t")
-                return resp, raw
+    of ids go to the store as they are, never as Python ints. (None when not found.)"""
+    if found := _id_list(content, content.rfind(_PROMPT_KEY), _PROMPT_KEY):
+        start, end, raw = found
+        return orjson.loads(content[:start] + b"null" + content[end + 1:]), raw
     resp = orjson.loads(content)
     ids = resp.get("prompt_token_ids") if isinstance(resp, dict) else None
     return resp, orjson.dumps(ids) if isinstance(ids, list) else None
@@ -293,20 +303,11 @@ class RenderedPrompt(NamedTuple):
 def rendered_prompt(render_answer: bytes) -> RenderedPrompt:
     """The prompt ids of /v1/chat/completions/render's answer (a GenerateRequest), without
     parsing the rest: the answer goes on to /inference/v1/generate byte for byte."""
-    at = render_answer.find(_TOKEN_IDS_KEY)
-    # the key itself, not text inside a string (the request id comes first; its quote would
-    # follow a backslash inside one)
-    if at > 0 and render_answer[max(0, at - 64):at].rstrip()[-1:] in (b"{", b","):
-        start = at + len(_TOKEN_IDS_KEY)
-        while render_answer[start:start + 1] in (b" ", b"\n", b"\r", b"\t"):
-            start += 1
-        end = render_answer.find(b"]", start)
-        raw = render_answer[start:end + 1] if end > 0 else b""
-        if raw[:1] == b"[" and raw.translate(None, _ID_BYTES) == b"[]":
-            if b" " in raw or b"\n" in raw or b"\r" in raw or b"\t" in raw:   # vLLM's has none: no copy
-                raw = raw.translate(None, b" \n\r\t")
-            if raw != b"[]":
-                return RenderedPrompt(raw, [int(t) for t in raw[1:-1].rsplit(b",", 4)[-4:]])
+    # the first such key: the request id comes before it (sampling params' stop strings after)
+    found = _id_list(render_answer, render_answer.find(_TOKEN_IDS_KEY), _TOKEN_IDS_KEY)
+    if found and found[2] != b"[]":
+        raw = found[2]
+        return RenderedPrompt(raw, [int(t) for t in raw[1:-1].rsplit(b",", 4)[-4:]])
     raise BackendError("the model backend's /v1/chat/completions/render answer has no token ids")
 
 

@@ -302,11 +302,8 @@ class FakeVLLM:
             body = self._rendered.pop(rid, None)
         if body is None:
             return 400, b'{"error":{"message":"unknown request_id (render it first)","type":"BadRequestError"}}'
-        if self.keep:
-            self.bodies.append(body)
-        if self.sleeping or self.weights is None:
-            self.served_asleep += 1
-            return 500, ASLEEP
+        if (refused := self._asked(body)) is not None:
+            return refused
         t0, weights = time.monotonic(), self.weights
         with self.lock:
             made = self._answers.pop(rid, None)
@@ -446,13 +443,19 @@ class FakeVLLM:
         self.pulled.append((kwargs["sha256"], len(blob)))
         return None
 
-    def _generate(self, body: dict) -> tuple[int, bytes]:
-        """A completion (any other POST path), by the weights it holds when it starts."""
+    def _asked(self, body: dict) -> tuple[int, bytes] | None:
+        """A generation asked for (kept): refused while the weights sleep or are gone."""
         if self.keep:
             self.bodies.append(body)
         if self.sleeping or self.weights is None:
             self.served_asleep += 1
             return 500, ASLEEP
+        return None
+
+    def _generate(self, body: dict) -> tuple[int, bytes]:
+        """A completion (any other POST path), by the weights it holds when it starts."""
+        if (refused := self._asked(body)) is not None:
+            return refused
         t0, weights = time.monotonic(), self.weights
         if self.delay:
             time.sleep(self.delay)

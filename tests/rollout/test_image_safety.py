@@ -24,6 +24,7 @@ import stat
 import struct
 import subprocess
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -180,13 +181,24 @@ def test_where_the_node_cannot_make_the_namespace_the_bridge_runs_inside_or_the_
         runtime.prepare("bb~0", Workspace(), RuntimeSpec(image=str(busybox)))
     box = runtime.prepare("deb~0", Workspace(), RuntimeSpec(image=TEST_IMAGE))
     try:
-        probe = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=10).sendall(b'inside')"
-        r = box.run(["python3", "-c", probe], {"PATH": "/usr/bin:/bin"}, 60, "h", proxy_port=port)
-        assert r.exit_code == 0 and box._bridges and not box._netns, r.output_tail   # through the bridge inside
-        proxy.settimeout(10)
-        conn, _ = proxy.accept()
-        assert conn.recv(16) == b"inside"
-        conn.close()
+        # The probe waits for the proxy's answer: the forwarder inside ends with the process it
+        # serves, so a fire-and-forget send could race its exit (a harness waits for answers).
+        probe = (f"import socket; s = socket.create_connection(('127.0.0.1', {port}), timeout=30); "
+                 "s.sendall(b'inside'); assert s.recv(2) == b'ok'")
+        proxy.settimeout(60)
+
+        def answer() -> bytes:
+            conn, _ = proxy.accept()
+            with conn:
+                got = conn.recv(16)
+                conn.sendall(b"ok")
+                return got
+
+        with ThreadPoolExecutor(1) as pool:
+            got = pool.submit(answer)
+            r = box.run(["python3", "-c", probe], {"PATH": "/usr/bin:/bin"}, 60, "h", proxy_port=port)
+            assert r.exit_code == 0 and box._bridges and not box._netns, r.output_tail   # through the bridge inside
+            assert got.result(timeout=60) == b"inside"
     finally:
         box.teardown()
         proxy.close()

@@ -47,6 +47,7 @@ log = logging.getLogger("polar")
 
 SYNC_PATH = "/_polar/sync"
 SYNC_MODES = ("auto", "inflight", "drain")
+OWNERS = ("gateway", "external")
 SLEEP_PATH = "/_polar/sleep"
 VERIFY_PATH = "/_polar/verify"
 
@@ -68,6 +69,7 @@ class VersionWatch:
         self._kept_base = ""
         self._lock: asyncio.Lock | None = None
         self._resyncing = False
+        self.external = False             # polar_weights_owner=external: never loads, only reads tags
 
     def report(self) -> dict:
         return {"state": self.state, "error": self.error, "checked_at": self.checked_at, "checks": self.checks,
@@ -91,6 +93,8 @@ class VersionWatch:
                 return self.state
             self.checks += 1
             self.checked_at = time.time()
+            if self.external:
+                return self._owned_elsewhere(tag)
             if self.expected is None:
                 # The first tag read: an untagged vLLM (a fresh process nobody synced: vLLM
                 # says "default") is tagged as the version the gateway starts with, so that a
@@ -119,6 +123,23 @@ class VersionWatch:
                     await self._readopt(tag)
         if not self.gate.verified and self.gate.checkpoint and not self.gate.asleep and not self._resyncing:
             await self._resync()
+        return self.state
+
+    def _owned_elsewhere(self, tag: str | None) -> str:
+        """polar_weights_owner=external: the backend's owner (a Ray replica actor, shared by
+        several gateways) loads and tags its weights itself, so any tag of a sync (polar-vN)
+        is served as that version, exactly per token; an untagged one is a restarted backend
+        its owner has not loaded yet: lost, until a tag shows."""
+        if untagged(tag):
+            self.state, self.error = "lost", f"the backend's weights are untagged ({tag!r}): restarted, not loaded yet"
+            if self.gate.lost():
+                log.error("polar: %s: calls record no version until its owner loads one", self.error)
+            return self.state
+        self.expected = tag
+        self.gate.engine_tagged = True
+        if not self.gate.verified:
+            self.gate.vouch()
+        self.state, self.error = "ok", None
         return self.state
 
     async def _readopt(self, tag: str | None) -> None:
@@ -252,6 +273,12 @@ class WeightSync:
                           "version that sampled it; needs the token route), drain (hold new "
                           "calls, let those in flight finish, reload), or auto (inflight where "
                           "calls take the token route).", choices=SYNC_MODES)
+        loader.add_option("polar_weights_owner", str, "gateway",
+                          "Who loads the backend's weights: gateway (a sync swaps them) or "
+                          "external (the backend's owner, e.g. a Ray replica actor that several "
+                          "gateways share, swaps and tags them; a sync only adopts the version "
+                          "number, and every token's version is the engine's own tag).",
+                          choices=OWNERS)
         loader.add_option("polar_version_check", str, "1",
                           "Seconds between checks that the backend still serves the version "
                           "the gateway set (vLLM's /weight_info; 0: off).")
@@ -265,6 +292,8 @@ class WeightSync:
             self.gate.checkpoint = ctx.options.polar_policy_checkpoint or None
         if "polar_sync_mode" in updated:
             self.mode_wanted = ctx.options.polar_sync_mode
+        if "polar_weights_owner" in updated:
+            self.watch.external = ctx.options.polar_weights_owner == "external"
         if "polar_version_check" in updated:
             self.check_every = option_values.seconds("polar_version_check", ctx.options.polar_version_check)
 
@@ -337,6 +366,8 @@ class WeightSync:
             return _error(400, 'expected {"checkpoint": "DIR", "version": INTEGER} or {"pull": {"url": URL, '
                                '"sha256": HEX}, "version": INTEGER, "checkpoint": DIR or null}')
         checkpoint = source.checkpoint
+        if self.watch.external:
+            return await self._adopt(version, checkpoint)
         try:
             inflight = await self.sync_mode() == "inflight"
             # a pull is fetched into vLLM's workers first, while calls go on: nothing is held for it
@@ -371,6 +402,20 @@ class WeightSync:
         log.info("polar: policy version %d from %s, %s (held %d calls, drained %d in %.2fs, swap %.2fs, "
                  "stall %.2fs)", version, source.pull_url and "a pull" or checkpoint, report.mode, report.held,
                  report.drained, report.drain_s, report.swap_s, report.stall_s or 0.0)
+        return http.Response.make(200, orjson.dumps(report.as_json()), JSON_HEADERS)
+
+    async def _adopt(self, version: int, checkpoint: str | None) -> http.Response:
+        """polar_weights_owner=external: the backend's owner swapped its weights already; the
+        gateway takes the version (a call's starting version from now on) and reads the tag
+        back. Nothing is held: each token's version is the engine's own."""
+        async def adopt(wake: bool) -> SwapSeconds:
+            async with self.watch.lock():
+                self.gate.version = version
+            return SwapSeconds()
+        report = await self.gate.sync(adopt, version, checkpoint, inflight=True)
+        self.syncs += 1
+        state = await self.watch.check()
+        log.info("polar: policy version %d adopted (the backend's owner loads it; its tag: %s)", version, state)
         return http.Response.make(200, orjson.dumps(report.as_json()), JSON_HEADERS)
 
 

@@ -89,8 +89,16 @@ db_option = click.option("--db", default="rollouts.duckdb", show_default=True, c
 
 
 def backend_option(help: str = "A running vLLM server's root URL (http://HOST:PORT); default: start the "
-                               "embedded default model"):
-    return click.option("--backend", default="", callback=server_root, help=help)
+                               "embedded default model", many: bool = False):
+    """many: a comma-separated list of roots is taken too (the loop's replicas on Ray)."""
+    return click.option("--backend", default="", callback=server_roots if many else server_root, help=help)
+
+
+def server_roots(ctx: click.Context | None, param: click.Parameter | None, value: str | None) -> str | None:
+    """server_root for each of a comma-separated list; returned joined by commas."""
+    if not value:
+        return value
+    return ",".join(server_root(ctx, param, part) or "" for part in value.split(","))
 
 
 def _allowed_hosts(ctx: click.Context | None, param: click.Parameter | None, value: tuple[str, ...]) -> list[str]:

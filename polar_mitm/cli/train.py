@@ -245,7 +245,7 @@ def format_builders(rows: list[dict]) -> str:
 @click.option("--samples", type=click.IntRange(1, 1024), default=None, help="num_samples for tasks that give none")
 @click.option("--model", default="", help="The initial policy (default: the embedded SmolLM2)")
 @backend_option("A running vLLM (its root URL, http://HOST:PORT) started with VLLM_SERVER_DEV_MODE=1 "
-                "(default: start one, kept across iterations)")
+                "(default: start one, kept across iterations); with --ray, several as URL,URL,...", many=True)
 @click.option("--eval-tasks", "eval_tasks_file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Held-out tasks: run with the current policy (see --eval-every), never trained on")
 @click.option("--eval-every", default=_LOOP["eval_every"], show_default=True, type=click.IntRange(1),
@@ -274,12 +274,21 @@ def format_builders(rows: list[dict]) -> str:
               help="Where a sync's weights come from: disk (vLLM reloads the checkpoint folder) or memory "
                    "(the trainer serves them over HTTP, vLLM's worker extension pulls and checks them; the "
                    "folder is still written, for resume, while the sync runs)")
+@click.option("--ray", "ray_address", default=None, metavar="auto|local|ADDRESS",
+              help="Run on a Ray cluster (pip install 'polar-mitm[ray]'): a gateway node on every Ray node "
+                   "that offers the polar_node resource, --replicas vLLM actors (or --backend URL[,URL...]), "
+                   "the trainer and rollout server here; no filesystem is shared (docs/cluster.md)")
+@click.option("--nodes", type=click.IntRange(1), default=None, help="With --ray: at most this many gateway nodes")
+@click.option("--replicas", type=click.IntRange(1), default=_LOOP["replicas"], show_default=True,
+              help="With --ray: vLLM replicas, each a Ray actor; a session's calls stay on one")
+@click.option("--replica-gpus", type=click.FloatRange(0), default=_LOOP["replica_gpus"], show_default=True,
+              help="With --ray: GPUs per replica (0: CPU)")
 @report_to_option
 @session_limit_option
 @trainer_options
 def loop(tasks_file, iterations, out, harness, samples, model, backend, eval_tasks_file, eval_every, workers,
-         max_tokens, keep, vllm, max_staleness, server, colocate, sync_mode, weights_from, report_to,
-         session_limits, **options):
+         max_tokens, keep, vllm, max_staleness, server, colocate, sync_mode, weights_from, ray_address, nodes,
+         replicas, replica_gpus, report_to, session_limits, **options):
     """The closed loop: rollouts through a real harness, GRPO, the new weights synced into the
     running vLLM, the next rollouts.
 
@@ -290,7 +299,8 @@ def loop(tasks_file, iterations, out, harness, samples, model, backend, eval_tas
                        eval_tasks_file=eval_tasks_file, eval_every=eval_every, workers=workers,
                        max_tokens=max_tokens, keep=keep, vllm=vllm, max_staleness=max_staleness,
                        server=server or None, colocate=colocate, report_to=report_to,
-                       session_limits=session_limits, sync_mode=sync_mode, weights_from=weights_from)
+                       session_limits=session_limits, sync_mode=sync_mode, weights_from=weights_from,
+                       ray=ray_address, nodes=nodes, replicas=replicas, replica_gpus=replica_gpus)
     interruptible_loop(opts, train_config(**options))
 
 

@@ -35,6 +35,13 @@ class LoopOptions:
     weights_from: str = "disk"
     report_to: tuple[str, ...] = ()       # experiment trackers (trackers.TRACKERS)
     session_limits: dict = field(default_factory=dict)   # the node's limits per session (limits.parse_limits)
+    # on a Ray cluster (auto, local or an address): gateway nodes on the Ray nodes that offer
+    # polar_node (at most `nodes`), `replicas` vLLM actors (or --backend URL[,URL...]), the
+    # trainer and the rollout server here; weights always from memory (no shared disk)
+    ray: str | None = None
+    nodes: int | None = None
+    replicas: int = 1
+    replica_gpus: float = 0.0
 
     def evaluates(self, it: int) -> bool:
         """Whether iteration `it` (from 0) runs the held-out tasks: the first and the last always,

@@ -68,10 +68,15 @@ def run_loop(opts: LoopOptions, train_cfg: TrainConfig, echo: Callable[[str], No
             return _nothing_to_run(state, opts, db, echo)
         tasks = _checked_tasks(opts, state, db, out)   # everything that can be checked, before anything starts
         state = state or LoopState.new(out)
-        stack = running.enter_context(Stack())
         trackers = running.enter_context(closing(_trackers(opts, train_cfg, out, state, echo)))
         base = _initial_policy(opts, echo)
         _open_database(db, state, trackers)
+        if opts.ray:
+            loop = _on_ray(opts, train_cfg, running, out, db, state, tasks, base, trackers, echo)
+            for it in range(state.completed, opts.iterations):
+                echo(iteration_line(_iteration(loop, it)))
+            return _summary(db, state.run_id, out, echo)
+        stack = running.enter_context(Stack())
         where = stack.start_rollouts(   # the stack, once, across iterations
             server=opts.server, backend=opts.backend and opts.backend.rstrip("/"), db=db, work=_work(out),
             weights=state.checkpoint or base, version=state.version, vllm=_vllm_settings(opts, train_cfg),
@@ -92,6 +97,40 @@ def run_loop(opts: LoopOptions, train_cfg: TrainConfig, echo: Callable[[str], No
         for it in range(state.completed, opts.iterations):
             echo(iteration_line(_iteration(loop, it)))
         return _summary(db, state.run_id, out, echo)
+
+
+def _on_ray(opts: LoopOptions, train_cfg: TrainConfig, running: ExitStack, out: Path, db: str, state: LoopState,
+           tasks: Tasks, base: str, trackers: Trackers, echo: Callable[[str], None]) -> Loop:
+    """The loop's stack on a Ray cluster (cluster/ray_stack.py): the trainer here, first (a
+    resumed run's replicas load its weights from its memory: no machine reads another's
+    disk); then the rollout server, the replicas and a gateway node per Ray node."""
+    from ..cluster.ray_env import connect, node_address
+    from ..cluster.ray_stack import ClusterOptions, RayStack, RolloutSetup
+    from ..grpo.weight_server import WeightServer
+    from ..rollout.protocol import WeightPull
+
+    assert opts.ray
+    connect(opts.ray)
+    trainer = _trainer(state, base, train_cfg)
+    weights = running.enter_context(WeightServer(host=node_address()))
+    pull = None
+    if state.version:   # the replicas start on the base model: they pull the run's version
+        published = trainer.publish(weights)
+        pull = WeightPull(url=published.url, sha256=published.sha256)
+    backends = tuple(b.strip().rstrip("/") for b in (opts.backend or "").split(",") if b.strip())
+    cluster = running.enter_context(RayStack(ClusterOptions(
+        address=opts.ray, nodes=opts.nodes, replicas=opts.replicas, backends=backends,
+        replica_gpus=opts.replica_gpus, model=opts.model or "", vllm=_vllm_settings(opts, train_cfg)), echo))
+    harnesses = tuple(sorted({t.harness for t in [*tasks.train, *tasks.held_out]}))
+    url = cluster.start(db, RolloutSetup(
+        workers=opts.workers, max_tokens=opts.max_tokens, temperature=train_cfg.temperature,
+        limits=dict(opts.session_limits), harnesses=harnesses, version=state.version,
+        fold_s=3600.0 if opts.max_staleness == 0 else None), (state.version, state.checkpoint or base, pull))
+    nodes = Nodes(running.enter_context(closing(ServerClient(url, token=cluster.token))), cluster)
+    loop = Loop(opts, train_cfg, out, db, state, tasks, nodes, cluster.backends[0] if cluster.backends else None,
+                base, trainer, trackers, echo)
+    loop.weights = weights
+    return loop
 
 
 def _iteration(loop: Loop, it: int) -> IterationRow:
@@ -115,6 +154,10 @@ def _check_options(opts: LoopOptions) -> None:
     if opts.colocate and opts.max_staleness:
         raise LoopError("--colocate needs --max-staleness 0: vLLM sleeps while the trainer runs, so "
                         "nothing can be sampled then")
+    if opts.backend and "," in opts.backend and not opts.ray:
+        raise LoopError("several --backend URLs are replicas on a Ray cluster: add --ray")
+    if opts.ray and (opts.server or opts.colocate):
+        raise LoopError("--ray runs its own rollout server and replicas: not with --server or --colocate")
     if opts.weights_from == "memory" and opts.server:
         raise LoopError("--weights-from memory serves the weights on this machine's loopback: not with --server "
                         "(its nodes' vLLMs read checkpoints from a filesystem both sides see)")
@@ -158,7 +201,7 @@ def _checked_tasks(opts: LoopOptions, state: LoopState | None, db: str, out: Pat
         raise LoopError(f"{LoopState.path(out)} serves checkpoint {state.checkpoint}, but {problem}")
     if state is not None and not opts.server:
         _check_unchanged(db, state.run_id, tasks, held_out, opts.tasks_file, out)
-    if not opts.server:
+    if not opts.server and not opts.ray:   # on Ray, each gateway node installs its own
         ensure_harnesses(t.harness for t in [*tasks, *held_out])
     return Tasks(tasks, held_out)
 

@@ -41,6 +41,7 @@ from .state import LoopError, LoopState, Saved, prune
 from .trackers import Trackers
 
 if TYPE_CHECKING:
+    from ..cluster.ray_stack import RayStack
     from ..grpo.weight_server import WeightServer
     from ..grpo.train import Trainer
 
@@ -61,9 +62,11 @@ class Tasks:
 @dataclass
 class Nodes:
     """The rollout server's nodes, as the loop drives them; the services this process
-    started are checked while it waits."""
+    started are checked while it waits. On a Ray cluster (cluster/ray_stack.py) the stack
+    owns the vLLM replicas: a sync swaps them first, then the gateways take the version; and
+    the nodes' recorded calls reach the driver's store before they are read."""
     client: ServerClient
-    stack: Stack
+    stack: "Stack | RayStack"
 
     def check(self) -> None:
         if self.stack.dead():
@@ -74,10 +77,33 @@ class Nodes:
         """Every node's gateway and vLLM to (version, checkpoint), or asleep; the slowest
         node's figures (drain, wake, reload, reset). pull: the weights in the trainer's memory."""
         try:
+            # first the target (a replica that restarts from now on loads it), which the
+            # gateways of replicas they do not own only adopt
             reports = self.client.sync_nodes(version, checkpoint, asleep, check=self.check, pull=pull)
         except ServerError as e:
             raise LoopError(f"the weight sync to version {version} failed: {e}") from None
-        return slowest(SyncReport.from_json(r.get("detail")) for r in reports.values())
+        swapped = None
+        if self.owns_replicas:
+            try:
+                swapped = self.stack.swap_replicas(version, pull)   # type: ignore[union-attr]
+            except Exception as e:   # noqa: BLE001 (a replica's failure, in the loop's words)
+                raise LoopError(f"the weight sync of the replicas to version {version} failed: {one_line(e)}") \
+                    from None
+        figures = slowest(SyncReport.from_json(r.get("detail")) for r in reports.values())
+        return figures if swapped is None else replace(
+            figures, mode="inflight", reload_s=max((s["total_s"] for s in swapped), default=None),
+            stall_s=max((s["stall_s"] for s in swapped), default=None))
+
+    @property
+    def owns_replicas(self) -> bool:
+        return hasattr(self.stack, "swap_replicas")
+
+    def calls_in(self) -> None:
+        """The calls the nodes recorded so far are in the loop's store (a Ray cluster's are
+        shipped to the driver; on one machine they are there already)."""
+        calls_in = getattr(self.stack, "calls_in", None)
+        if calls_in is not None and not calls_in():
+            raise LoopError("the nodes' recorded calls did not reach the driver's store within the timeout")
 
 
 @dataclass
@@ -239,6 +265,7 @@ def trainable_calls(loop: Loop, it: int, done: Rollouts) -> TrainableCalls:
         if why := incomplete(done.groups[t.task_id], t.spec.min_complete_fraction):
             loop.echo(f"iteration {it + 1}: {task_of_run(t.task_id)} left out of training: {why}")
             del trained[t.task_id]
+    loop.nodes.calls_in()
     dbs = _store_rewards(loop.local_db, loop.nodes.client, done.train, done.groups)
     data = training_calls(dbs, sessions=[s["session_id"] for g in trained.values() for s in g["sessions"]],
                           temperature=loop.cfg.temperature,
@@ -404,7 +431,7 @@ class JournalFigures:
     p99_ms: float | None = None
 
     @classmethod
-    def read(cls, stack: Stack) -> "JournalFigures":
+    def read(cls, stack: "Stack | RayStack") -> "JournalFigures":
         if stack.server is None:   # a remote server keeps its own
             return cls()
         saves = stack.server.journal_stats(reset=True)

@@ -33,7 +33,7 @@ import anyio.to_thread
 import uvicorn
 from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictInt, StrictStr, Tag
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException
@@ -64,6 +64,7 @@ class RolloutAPI(Protocol):
     def set_policy(self, version: int, checkpoint: str, asleep: bool = False,
                    pull: WeightPull | None = None) -> PolicyTarget: ...
     def heartbeat(self, body: Heartbeat) -> HeartbeatReply: ...
+    def file_blob(self, sha256: str) -> str | None: ...     # a shipped blob's file (ship_files)
 
 
 class _In(BaseModel):
@@ -352,6 +353,15 @@ def make_app(server: RolloutAPI, threads: int = 64) -> FastAPI:
         with new sessions, cancellations, settled outcomes and the policy to serve."""
         with _saved("heartbeat", "state not saved"):      # the node keeps its events and retries
             return server.heartbeat(body)
+
+    @app.get("/files/{sha256}", response_class=FileResponse)
+    def file_blob(sha256: str):
+        """A blob of a task's shipped files (RolloutServer(ship_files=True)): only one the
+        server packed; the name is a sha256 or nothing is looked up."""
+        path = server.file_blob(sha256)        # None for anything but a blob it packed
+        if path is None:
+            return _error(404, "no such file")
+        return FileResponse(path, media_type="application/x-tar")
 
     return app
 

@@ -44,7 +44,8 @@ from typing_extensions import Unpack
 
 from .. import session_auth, session_ids
 from ..store import rollout_journal as journal
-from . import grading, harnesses, mcp
+from . import files_cache, grading, harnesses, mcp
+from .files_cache import FilesCache, FilesError
 from .grading import GradingUnavailable
 from .judge import (DIFF_BYTES, JudgeError, JudgeSpec, combine, judge_session, judge_transcript,
                     parse_judge)
@@ -75,6 +76,13 @@ class NodeConfig:
     backend_url: str | None = None     # the model backend: probed; the node pauses while it is down
     backend_probe_s: float = 2.0
     server_token: str | None = None    # the rollout server's bearer token (one beyond loopback asks for it)
+    # Where the files shipped with tasks (a server's ship_files) are cached on this node, one
+    # copy per blob (files_cache.py); None: ~/.cache/polar-mitm/task-files
+    files_cache: str | None = None
+    # Blocks until the calls recorded so far are safe off this machine (a Ray node's calls
+    # shipped to the driver's store; False: not within its timeout). An outcome is reported
+    # only after it: a session is never scored while its calls live only on a node that may die.
+    calls_shipped: Callable[[], bool] | None = None
 
 
 @dataclass
@@ -210,6 +218,8 @@ class GatewayNode:
         self._client = httpx.Client(timeout=httpx.Timeout(120.0, connect=5.0), trust_env=False,
                                     headers=auth_headers(cfg.server_token))
         self.heartbeats_ok = 0
+        # the files shipped with tasks, fetched from the server once each (a task without: none)
+        self.files = FilesCache(cfg.files_cache or files_cache.default_root(), self._client, cfg.server_url)
         # The policy: the server's target, and what this node serves (reported back).
         self._policy_target: PolicyTarget | None = None
         self._policy_wake = threading.Event()
@@ -315,6 +325,9 @@ class GatewayNode:
 
     # -- reporting ---------------------------------------------------------------------
     def _report(self, w: Work, state: Session, **extra: Unpack[EventDetail]) -> None:
+        if state in OUTCOMES and self.cfg.calls_shipped is not None and not self.cfg.calls_shipped():
+            log.warning("%s: its calls are not shipped yet (the driver's store is not taking them); "
+                        "reported all the same", w.session_id)
         with self._lock:
             if self._releasing and state == Session.CANCELLED:
                 stats = {**(extra.get("stats") or {}), RELEASE_CAUSE: ReleaseCause.NODE_STOPPED.value}
@@ -465,6 +478,8 @@ class GatewayNode:
                 continue
             self._report(w, Session.INIT)
             t0 = time.monotonic()
+            if w.task.files and not self._localize(w):
+                continue
             try:
                 # a runtime of its own (a test's, a bench's) may take no image, nor limits
                 kw: dict[str, Any] = {"limits": w.task.limits} if w.task.limits else {}
@@ -490,6 +505,24 @@ class GatewayNode:
             self._report(w, Session.READY)
             w.stats["ready_since"] = time.monotonic()
             self.ready.put(w)        # blocks while the buffer is full: INIT never runs ahead
+
+    def _localize(self, w: Work) -> bool:
+        """The session's task with its shipped files (task.files) at this node's cached copies,
+        before anything reads its paths. A blob that cannot be had (after the cache's own
+        retries), or is refused (its sha256, an unsafe member), fails the session unscored:
+        the infrastructure's failure, not the policy's. Not released: a release before the
+        harness ran reruns it under the same name with no bound, and a blob refused here would
+        be refused on every node."""
+        t0 = time.monotonic()
+        try:
+            w.task = self.files.localize(w.task)
+        except (FilesError, OSError) as e:
+            log.warning("%s: the task's files: %s", w.session_id, e)
+            self._report(w, Session.FAILED, reason=f"set-up failed: the task's files: {e}"[:1000],
+                         stats={UNSCORED: "task_files"})
+            return False
+        w.stats["files_s"] = round(time.monotonic() - t0, 3)
+        return True
 
     # -- RUN ---------------------------------------------------------------------------
     def _run_loop(self) -> None:

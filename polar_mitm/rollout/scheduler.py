@@ -283,6 +283,15 @@ class Scheduler:
             self._check_task(self.tasks[s.task_id])
         return s.state in TERMINAL
 
+    def _share(self, node: NodeState, free: int, pending: int) -> int:
+        """How many of the pending sessions this node takes now: its part of them by its free
+        places against every live node's (as each last reported them), so that sessions spread
+        over the nodes (and the replicas behind them) by load instead of going to whichever
+        node is heard first; at least one, and never more than it has room for."""
+        total = free + sum(max(0, int(n.load.get("free", 0) or 0)) for n in self.nodes.values()
+                           if n is not node and not n.lost)
+        return min(free, max(1, -(-pending * free // max(total, 1))))
+
     def _assign(self, node: NodeState, free: int, now: float) -> list[Assignment]:
         """Leases: up to `free` pending sessions, highest priority first, then in order."""
         if free <= 0:
@@ -290,7 +299,7 @@ class Scheduler:
         pending = [s for s in self.live() if s.state == Session.PENDING and not s.cancel]
         pending.sort(key=lambda s: (-self.tasks[s.task_id].spec.priority, self.tasks[s.task_id].order, s.sample))
         out = []
-        for s in pending[:free]:
+        for s in pending[:self._share(node, free, len(pending))]:
             s.state, s.node_id, s.assigned_at = Session.ASSIGNED, node.node_id, now
             ts = self.tasks[s.task_id]
             if ts.state == Task.QUEUED:

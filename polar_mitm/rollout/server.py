@@ -22,6 +22,7 @@ protocol.py.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import secrets
@@ -39,6 +40,7 @@ from .protocol import (Group, Heartbeat, HeartbeatReply, PolicyStatus, PolicyTar
                        TaskStatus, WeightPull)
 from .scheduler import (CallbackDue, Effect, Noted, Scheduler, SessionMoved, SessionState, TaskMoved, TaskState,
                         TaskView)
+from .shipped_files import BlobStore, ship
 from .spec import TaskRequest, check_workspace, parse_task, task_from_json
 from .web_guard import guarded, is_loopback
 from .states import TASK_SETTLED, Callback, Session, Task
@@ -51,8 +53,14 @@ class RolloutServer:
                  max_attempts: int = 3, flush_s: float = 0.2, fold_s: float = 30.0, callback_tries: int = 8,
                  callback_backoff: float = 0.5, callback_timeout: float = 10.0, callback_workers: int = 16,
                  check_workspaces: bool = True, scheduler: Scheduler | None = None, max_releases: int = 8,
-                 token: str | None = None, allowed_hosts: Iterable[str] = ()):
+                 token: str | None = None, allowed_hosts: Iterable[str] = (), ship_files: bool = False,
+                 files_dir: str | None = None):
         self.db, self.flush_s, self.callback_workers = str(db), flush_s, callback_workers
+        # ship_files: every local path a task names is packed at submission into a blob of
+        # files_dir (default DB.files/), recorded in the task (TaskRequest.files) and served
+        # to the nodes (GET /files/{sha256}), which cache it: nodes on other machines need
+        # none of this machine's paths (shipped_files.py, files_cache.py).
+        self.blobs = BlobStore(files_dir or f"{self.db}.files") if ship_files else None
         # The API answers only its own Host names (loopback, the address it listens on,
         # allowed_hosts) and takes no state change without a JSON body (web_guard.py). token:
         # every request must carry it as a bearer token; listening beyond loopback, one is made
@@ -148,12 +156,18 @@ class RolloutServer:
     def submit(self, task: TaskRequest | dict) -> list[str]:
         """Queue a task; returns its session ids once they are durable in the database. The
         same task again raises TaskExists (a rerun resumes it); another spec under the same
-        task_id raises TaskChanged; a workspace that is not there, a TaskError."""
+        task_id raises TaskChanged; a workspace that is not there (or, with ship_files, a path
+        that cannot be shipped), a TaskError."""
         spec = task if isinstance(task, TaskRequest) else parse_task(task)
         with self._lock:
             self.scheduler.check_new(spec)
         if self.check_workspaces:
             check_workspace(spec)
+        # a client's spec never brings files; without shipping, the nodes read the paths themselves
+        if self.blobs is not None:
+            spec = ship(spec, self.blobs)
+        elif spec.files:
+            spec = dataclasses.replace(spec, files={})
         with self._lock:        # checked again: another submission may have come in meanwhile
             ids, effects = self.scheduler.submit(spec)
             self._perform(effects)
@@ -234,6 +248,12 @@ class RolloutServer:
                             "error": self._callback_errors.get(tid),
                             "next_in": max(0.0, due[tid] - now) if tid in due else 0.0, "left_s": left})
         return out
+
+    def file_blob(self, sha256: str) -> str | None:
+        """The blob a task's files were packed into (ship_files), for GET /files/{sha256}:
+        its file, or None where this server packed no such blob."""
+        found = self.blobs.path_of(sha256) if self.blobs is not None else None
+        return str(found) if found is not None else None
 
     # -- the policy the nodes serve ----------------------------------------------------------
     def set_policy(self, version: int, checkpoint: str, asleep: bool = False,

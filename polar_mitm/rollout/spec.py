@@ -154,6 +154,10 @@ class TaskRequest:
     # What each session may use (limits.py: memory, pids, cpus, nofile, disk, log), over the
     # node's own limits; its canonical values (bytes, counts), only those the task sets
     limits: dict = field(default_factory=dict)
+    # The rollout server's own (ship_files, shipped_files.py): each local path the task names
+    # -> the sha256 of its packed copy, which nodes fetch. Never part of what makes two specs
+    # of a task differ (spec_changes), never given by a client.
+    files: dict = field(default_factory=dict)
 
     def session_ids(self) -> list[str]:
         return [session_ids.make(self.task_id, i) for i in range(self.num_samples)]
@@ -162,6 +166,8 @@ class TaskRequest:
         d = dataclasses.asdict(self)
         if isinstance(self.evaluator, Evaluator) and not self.evaluator.reads:
             del d["evaluator"]["reads"]      # as a stored spec from before evaluator.reads reads
+        if not self.files:
+            del d["files"]                   # as a spec from before shipped files (and a client's)
         return d
 
 
@@ -200,12 +206,13 @@ def parse_task(data: Any, *, harness: str | None = None, samples: int | None = N
     servers, skills = _tools(d, h, task_id)
     judge = _judge(d.get("judge"), task_id)
     limits = _limits(d.get("limits"), task_id)
+    files = _files(d.get("files"), task_id, stored)
     return TaskRequest(task_id=task_id, instruction=instruction, harness=h,
                        workspace=workspace, num_samples=n, timeout=timeout,
                        evaluator=evaluator, priority=priority, callback_url=url, metadata=meta,
                        early_stop=early, command=command, on_failure=on_failure,
                        reward_covers=covers, runtime=runtime, min_complete_fraction=float(fraction),
-                       mcp_servers=servers, skills=skills, judge=judge, limits=limits)
+                       mcp_servers=servers, skills=skills, judge=judge, limits=limits, files=files)
 
 
 def _task_fields(data: Any, harness: str | None, samples: int | None) -> dict:
@@ -376,6 +383,19 @@ def _limits(value: Any, task_id: str) -> dict:
         raise TaskError(f"{task_id}: {e}") from None
 
 
+def _files(value: Any, task_id: str, stored: bool) -> dict:
+    """The server's map of shipped paths to blobs (a stored spec's); a client gives none."""
+    if not value:
+        return {}
+    if not stored:
+        raise TaskError(f"{task_id}: files is the rollout server's own (ship_files packs the task's paths), "
+                        "not a task's field")
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k and isinstance(v, str) and len(v) == 64
+                                              and all(c in "0123456789abcdef" for c in v) for k, v in value.items()):
+        raise TaskError(f"{task_id}: files must map paths to sha256 hex digests")
+    return dict(value)
+
+
 def _strings(value, what: str, task_id: str) -> tuple[str, ...]:
     if not isinstance(value, (list, tuple)) or not all(isinstance(x, str) and x.strip() for x in value):
         raise TaskError(f"{task_id}: {what} must be a list of non-empty strings, not {value!r}"[:300])
@@ -479,10 +499,13 @@ def task_from_json(spec: dict) -> TaskRequest:
 
 
 def spec_changes(old: TaskRequest, new: TaskRequest) -> list[str]:
-    """What differs between two specs of one task, field by field ("num_samples 1 -> 3")."""
+    """What differs between two specs of one task, field by field ("num_samples 1 -> 3").
+    files is left out: the server fills it (a resubmitted task comes without it)."""
     a, b = old.to_json(), new.to_json()
     out = []
     for k in a:
+        if k == "files":
+            continue
         if a[k] != b[k]:
             va, vb = repr(a[k]), repr(b[k])
             out.append(f"{k} {va[:60]} -> {vb[:60]}" if len(va) + len(vb) < 200 else f"{k} changed")

@@ -236,12 +236,12 @@ def wait_addon(port: int, service: Service, timeout: float = 20.0, control_token
 def start_vllm(model_dir: str | Path, *, port: int, served_name: str, log_path: Path,
                settings: VLLMSettings = VLLMSettings(), chat_template: str | Path | None = None,
                tool_parser: str = "hermes", extra_args: list[str] | None = None,
-               timeout: float = 900) -> Service:
+               timeout: float = 900, host: str = "127.0.0.1") -> Service:
     """vLLM in dev mode (its weights reload in place), started with settings (stack/vllm.py:
     its dtype is the trainer's, by default: a bf16 server drops most of a small update, at lr
     1e-5 ~2% of bf16 weights change). chat_template: settings' rule for model_dir unless given."""
     argv = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_name,
+            "--host", host, "--port", str(port), "--served-model-name", served_name,
             "--enable-auto-tool-choice", "--tool-call-parser", tool_parser,
             *settings.args(model_dir, chat_template), *RL_ARGS, *(extra_args or [])]
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
@@ -253,7 +253,7 @@ def start_vllm(model_dir: str | Path, *, port: int, served_name: str, log_path: 
                                                        os.environ.get("PYTHONPATH")]))}
     service = Service("vllm", argv, env, log_path)
     try:
-        wait_http(f"http://127.0.0.1:{port}/v1/models", service, timeout)
+        wait_http(f"http://{host}:{port}/v1/models", service, timeout)
     except BaseException:
         service.stop()
         raise

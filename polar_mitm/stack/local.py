@@ -124,7 +124,8 @@ class Stack:
     def start_node(self, *, db: str, backend: str, work: Path, proxy_port: int, workers: int,
                    max_tokens: int | None, server_url: str, node_id: str | None = None,
                    extra_sets: list[str] | None = None, temperature: float | None = None,
-                   server_token: str | None = None, limits: Mapping[str, Any] | None = None) -> GatewayNode:
+                   server_token: str | None = None, limits: Mapping[str, Any] | None = None,
+                   node_config: Mapping[str, Any] | None = None) -> GatewayNode:
         """The proxy (mitmdump) and a gateway node around it. The node alone holds the proxy's
         control token (handed to mitmdump in a file it removes): weight syncs come through
         the node, and each session's credential is made under it."""
@@ -144,6 +145,8 @@ class Stack:
                          backend_url=backend, server_token=server_token)
         if node_id:
             cfg.node_id = node_id
+        for key, value in (node_config or {}).items():   # a Ray node's: its calls shipped, its files' cache
+            setattr(cfg, key, value)
         # each session's limits: these (--session-limit) over the defaults, its task's over them
         runtime = LocalRuntime(work / "sessions", limits=DEFAULT_LIMITS.merged(limits))
         node = GatewayNode(cfg, runtime=runtime).start()

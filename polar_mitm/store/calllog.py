@@ -40,6 +40,10 @@ class Position(tuple):
     def __new__(cls, seg: int = 0, offset: int = 0):
         return super().__new__(cls, (seg, offset))
 
+    def __getnewargs__(self) -> tuple[int, int]:
+        # pickle (Ray) rebuilds a tuple subclass from these: tuple's own would nest it
+        return (self.seg, self.offset)
+
     @property
     def seg(self) -> int:
         return self[0]

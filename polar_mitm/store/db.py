@@ -160,10 +160,12 @@ def reading(path: str | os.PathLike, timeout: float = 30.0) -> Iterator[duckdb.D
 
 
 @contextmanager
-def writing(path: str | os.PathLike, timeout: float = 30.0) -> Iterator[duckdb.DuckDBPyConnection]:
-    """A short read-write connection for another process (rewards, migrations)."""
+def writing(path: str | os.PathLike, timeout: float = 30.0,
+            row_group_size: int | None = None) -> Iterator[duckdb.DuckDBPyConnection]:
+    """A short read-write connection for another process (rewards, migrations, calls shipped
+    from another machine: row_group_size as the loader's, see connection.connect)."""
     with _announced(path, timeout):
-        con = connect(path, timeout=timeout)
+        con = connect(path, timeout=timeout, row_group_size=row_group_size)
         try:
             with _interrupts_kept():
                 yield con

@@ -26,12 +26,18 @@ ROW_GROUP_ROWS = 2048           # the smallest row group DuckDB allows
 
 
 class PositionMoved(RuntimeError):
-    """The database's stored log position is not where this load starts."""
+    """The database's stored log position is not where this load starts (both carried)."""
+
+    def __init__(self, message: str, stored: Position | None = None, start: Position | None = None):
+        super().__init__(message)
+        self.stored = stored
+        self.start = start
 
 
-def stored_position(con) -> Position:
-    """How far the log is in the database (committed with the rows it covers)."""
-    return Position.decode(meta_value(con, POSITION_KEY))
+def stored_position(con, key: str = POSITION_KEY) -> Position:
+    """How far the log is in the database (committed with the rows it covers). key: the
+    meta key of a log of another machine (store/shipping.py), else this database's own."""
+    return Position.decode(meta_value(con, key))
 
 
 class LoadBatch:
@@ -75,14 +81,15 @@ class LoadBatch:
         """A whole row group: it goes to call_records_main, anything less to the tail."""
         return self.stored == ROW_GROUP_ROWS
 
-    def insert(self, con, start: Position, end: Position, known: set[str | None] | None, table: str) -> None:
+    def insert(self, con, start: Position, end: Position, known: set[str | None] | None, table: str,
+               position_key: str = POSITION_KEY) -> None:
         """One transaction: these calls and the log position after them, if the database's
         position is `start`. known: the session ids already stored (added to here). A line
         DuckDB refuses is stored as a failed call that says why, rather than hold up every
-        later one."""
+        later one. position_key: the meta key of the log's position."""
         new_sessions = known is None or not self.sessions <= known
         try:
-            _insert(con, self, start, end, new_sessions, table)
+            _insert(con, self, start, end, new_sessions, table, position_key)
         except DATA_ERRORS as e:
             log.error("polar: DuckDB refused a load of %d log lines (%s); loading them one by one",
                       self.stored, e)
@@ -91,7 +98,7 @@ class LoadBatch:
             lines = [storable_line(con, line, one) for line in lines]
             write_scratch(self.path, lines)
             self.longest = max(map(len, lines), default=0)
-            _insert(con, self, start, end, True, table)
+            _insert(con, self, start, end, True, table, position_key)
         if known is not None:
             if len(known) > 100_000:
                 known.clear()
@@ -119,13 +126,14 @@ def read_batch(directory: Path, scratch: Path, start: Position, target: Position
     return batch, pos
 
 
-def _insert(con, batch: LoadBatch, start: Position, end: Position, new_sessions: bool, table: str) -> None:
+def _insert(con, batch: LoadBatch, start: Position, end: Position, new_sessions: bool, table: str,
+            position_key: str) -> None:
     con.execute("BEGIN")
     try:
-        stored = stored_position(con)
+        stored = stored_position(con, position_key)
         if stored != start:
             raise PositionMoved(f"the database holds the call log up to {stored.encode()}, "
-                                f"this load starts at {start.encode()}")
+                                f"this load starts at {start.encode()}", stored, start)
         if batch.stored:
             source = read_log_sql(con, batch.path, batch.longest)
             if new_sessions:   # a scan of its own: skipped when every session is known
@@ -142,7 +150,7 @@ def _insert(con, batch: LoadBatch, start: Position, end: Position, new_sessions:
             columns = ", ".join(RECORD_COLUMNS)
             new = f"SELECT {SELECT_ROWS} FROM {source} LEFT JOIN ({acked}) a ON a.call_id = r.call_id"
             con.execute(f"INSERT INTO {table} ({columns}) {new}", params)
-        set_meta_value(con, POSITION_KEY, end.encode())
+        set_meta_value(con, position_key, end.encode())
         con.execute("COMMIT")
     except BaseException:
         try:

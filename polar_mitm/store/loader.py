@@ -33,6 +33,7 @@ from .calllog_owner import is_log_of, writer_lock
 from .connection import StoreBusy, connect
 from .load_batch import LOAD_FILE, ROW_GROUP_ROWS, LoadBatch, read_batch, stored_position
 from .log_rows import CSV_BUFFER, MAIN, TAIL, csv_buffer
+from .shipping_log import gc_floor
 
 log = logging.getLogger("polar")
 
@@ -199,7 +200,8 @@ class Loader:
         self.failures, self.failing_since, self._boost = 0, None, 0
 
     def drop_loaded(self, keep_from: int) -> None:
-        drop_loaded(self.dir, self.position, keep_from=keep_from)
+        # With shipping on, a segment also waits until the driver has it (store/shipping.py).
+        drop_loaded(self.dir, gc_floor(self.dir, self.position), keep_from=keep_from)
 
     def failed(self, e: BaseException) -> None:
         self.errors += 1

@@ -194,6 +194,11 @@ class CallWriter:
         with self._shared:
             return self._durable
 
+    def durable_end(self) -> Position:
+        """How far the call log is fsynced: every acknowledged call is before it (shipping
+        reads stop here, cluster/shipping.NodeShipper)."""
+        return self._durable_end()
+
     def close(self, timeout: float = 30.0) -> None:
         if self._log_thread.is_alive():
             self._queue.put(_STOP)

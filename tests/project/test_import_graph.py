@@ -16,7 +16,7 @@ LAYERS = [
     {"polar_mitm.adapters", "polar_mitm.grpo", "polar_mitm.vllm_ext"},
     {"polar_mitm.store"},
     {"polar_mitm.addons", "polar_mitm.rollout"},
-    {"polar_mitm.stack", "polar_mitm.loop", "polar_mitm.dashboard"},
+    {"polar_mitm.stack", "polar_mitm.cluster", "polar_mitm.loop", "polar_mitm.dashboard"},
     {"polar_mitm.cli"},   # the commands, above everything they run
 ]
 

@@ -20,9 +20,9 @@ TRAIN = str(Path(sys.executable).parent / "polar-train")
 class LoopRun:
     """`polar-train loop` as a child process, its output collected as it comes."""
 
-    def __init__(self, argv: list[str]):
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None, cwd: str | None = None):
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+                                     start_new_session=True, env=env, cwd=cwd)
         self.output = ""
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

@@ -1,0 +1,79 @@
+"""A Ray cluster of several nodes on this machine (ray.cluster_utils.Cluster), on loopback,
+each node with its own TMPDIR, HOME and polar folder (as machines that share no disk would
+have), and the polar_node resource that puts a gateway node on it.
+
+Two pitfalls of Ray here (../shared/reference/vllm-rl-apis.md section 4): Ray rewrites
+127.0.0.1 to the VM's address and then hangs unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, and
+it writes to /tmp/ray unless RAY_TMPDIR says otherwise (a short path: its sockets' names have
+a length limit)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+@dataclass
+class NodeDirs:
+    name: str
+    root: Path
+
+    @property
+    def env(self) -> dict[str, str]:
+        # Ray's env_vars are the raylet's whole environment change: loopback must be in it too
+        return {**LOOPBACK_ENV, "TMPDIR": str(self.root / "tmp"), "HOME": str(self.root / "home"),
+                "XDG_CACHE_HOME": str(self.root / "cache"), "POLAR_NODE_DIR": str(self.root / "polar"),
+                "POLAR_TEST_NODE": self.name}
+
+
+class LocalCluster:
+    """nodes Ray nodes (the first is the head), each offering polar_node: 1 and `cpus` CPUs."""
+
+    def __init__(self, nodes: int = 3, cpus: int = 2, object_store: int = 80 << 20):
+        from ray.cluster_utils import Cluster
+
+        self.base = Path(tempfile.mkdtemp(prefix="pray", dir="/tmp"))
+        os.environ.update(LOOPBACK_ENV)
+        os.environ["RAY_TMPDIR"] = str(self.base / "r")
+        self.dirs = [NodeDirs(f"n{i}", self.base / f"n{i}") for i in range(nodes)]
+        for d in self.dirs:
+            for sub in ("tmp", "home", "cache", "polar"):
+                (d.root / sub).mkdir(parents=True, exist_ok=True)
+        self._cpus, self._store = cpus, object_store
+        common = {"num_cpus": cpus, "object_store_memory": object_store, "resources": {"polar_node": 1},
+                  "node_ip_address": "127.0.0.1"}
+        self.cluster = Cluster(initialize_head=True, head_node_args={
+            **common, "include_dashboard": False, "env_vars": self.dirs[0].env})
+        self.nodes = [self.cluster.head_node]
+        for d in self.dirs[1:]:
+            self.nodes.append(self.cluster.add_node(**common, env_vars=d.env))
+        self.cluster.wait_for_nodes()
+        self.address = self.cluster.address
+
+    def env(self) -> dict[str, str]:
+        """What a driver process needs to join it."""
+        return {**os.environ, **LOOPBACK_ENV, "RAY_TMPDIR": str(self.base / "r")}
+
+    def kill_node(self, i: int) -> None:
+        """Node i gone at once: its raylet and every process of it (not the head)."""
+        self.cluster.remove_node(self.nodes[i], allow_graceful=False)
+
+    def revive(self, i: int) -> None:
+        """A new node in node i's place, on the same folders (as a machine that rebooted)."""
+        self.nodes[i] = self.cluster.add_node(num_cpus=self._cpus, object_store_memory=self._store,
+                                              resources={"polar_node": 1}, node_ip_address="127.0.0.1",
+                                              env_vars=self.dirs[i].env)
+
+    def shutdown(self) -> None:
+        try:
+            for node in reversed(self.nodes[1:]):
+                if node in self.cluster.worker_nodes:
+                    self.cluster.remove_node(node, allow_graceful=False)
+            self.cluster.remove_node(self.cluster.head_node, allow_graceful=False)
+        finally:
+            shutil.rmtree(self.base, ignore_errors=True)

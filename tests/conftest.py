@@ -17,6 +17,9 @@ from support.provider_server import ProviderServer
 # Session sandboxes (bwrap) see the node's system and Python read-only, and of the rest only
 # what is exposed: the stand-in harnesses here (support/fake_harness.py) run inside them.
 os.environ.setdefault("POLAR_SANDBOX_EXPOSE", str(Path(__file__).parent))
+# The Ray clusters of the tests live on loopback (support/ray_cluster.py): Ray reads this when
+# it is imported, whichever test module imports it first.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 def pytest_configure(config):

@@ -107,6 +107,7 @@ class BackendClient:
         self.route_wanted = "auto"
         self.route: str | None = None
         self.route_note = "not decided yet (at the first call)"
+        self.headers: dict[str, str] = JSON_HEADERS   # with X-data-parallel-rank under polar_dp_rank
 
     def load(self, loader):
         loader.add_option("polar_backend", str, "http://127.0.0.1:8000",
@@ -116,6 +117,10 @@ class BackendClient:
         loader.add_option("polar_backend_timeout", int, 600, "Seconds to wait for the backend.")
         loader.add_option("polar_max_concurrency", int, 0,
                           "Calls in flight to the backend at once (0: unlimited).")
+        loader.add_option("polar_dp_rank", int, -1,
+                          "vLLM's data parallelism (--data-parallel-size): pin every call of this "
+                          "gateway to this engine rank (X-data-parallel-rank), so a session's calls "
+                          "stay on one engine's prefix cache (-1: vLLM balances them).")
         loader.add_option("polar_backend_route", str, "auto",
                           "How calls reach vLLM: generate (render -> /inference/v1/generate -> "
                           "derender, with every token's weight version from the engine; vLLM "
@@ -128,6 +133,11 @@ class BackendClient:
             raise exceptions.OptionsError("polar_backend_timeout must be > 0")
         if "polar_max_concurrency" in updated and ctx.options.polar_max_concurrency < 0:
             raise exceptions.OptionsError("polar_max_concurrency must be >= 0")
+        if "polar_dp_rank" in updated:
+            rank = ctx.options.polar_dp_rank
+            if rank < -1:
+                raise exceptions.OptionsError("polar_dp_rank must be an engine rank (0 or more), or -1")
+            self.headers = JSON_HEADERS if rank < 0 else {**JSON_HEADERS, "X-data-parallel-rank": str(rank)}
         if "polar_backend_route" in updated or "polar_backend" in updated:
             self.route_wanted = ctx.options.polar_backend_route
             self.route = None if self.route_wanted == "auto" else self.route_wanted
@@ -250,7 +260,7 @@ class BackendClient:
         if isinstance(body, dict):
             body = orjson.dumps(body)
         try:
-            resp = await self._http().request("POST", path, body, JSON_HEADERS)
+            resp = await self._http().request("POST", path, body, self.headers)
         except HTTPTimeout:
             raise BackendTimeout(f"the model backend did not answer within {self.timeout}s") from None
         except HTTPError as e:

@@ -283,12 +283,15 @@ def format_builders(rows: list[dict]) -> str:
               help="With --ray: vLLM replicas, each a Ray actor; a session's calls stay on one")
 @click.option("--replica-gpus", type=click.FloatRange(0), default=_LOOP["replica_gpus"], show_default=True,
               help="With --ray: GPUs per replica (0: CPU)")
+@click.option("--replica-dp", type=click.IntRange(1), default=_LOOP["replica_dp"], show_default=True,
+              help="With --ray: vLLM's own data parallelism in each replica (--data-parallel-size); each "
+                   "session's calls are pinned to one engine (X-data-parallel-rank)")
 @report_to_option
 @session_limit_option
 @trainer_options
 def loop(tasks_file, iterations, out, harness, samples, model, backend, eval_tasks_file, eval_every, workers,
          max_tokens, keep, vllm, max_staleness, server, colocate, sync_mode, weights_from, ray_address, nodes,
-         replicas, replica_gpus, report_to, session_limits, **options):
+         replicas, replica_gpus, replica_dp, report_to, session_limits, **options):
     """The closed loop: rollouts through a real harness, GRPO, the new weights synced into the
     running vLLM, the next rollouts.
 
@@ -300,7 +303,8 @@ def loop(tasks_file, iterations, out, harness, samples, model, backend, eval_tas
                        max_tokens=max_tokens, keep=keep, vllm=vllm, max_staleness=max_staleness,
                        server=server or None, colocate=colocate, report_to=report_to,
                        session_limits=session_limits, sync_mode=sync_mode, weights_from=weights_from,
-                       ray=ray_address, nodes=nodes, replicas=replicas, replica_gpus=replica_gpus)
+                       ray=ray_address, nodes=nodes, replicas=replicas, replica_gpus=replica_gpus,
+                       replica_dp=replica_dp)
     interruptible_loop(opts, train_config(**options))
 
 

@@ -31,7 +31,10 @@ class NodeSpec:
     index: int
     server_url: str
     server_token: str = field(repr=False)
-    backends: tuple[str, ...] = ()       # one gateway per replica URL
+    backends: tuple[str, ...] = ()       # one gateway per replica URL (and engine rank)
+    # vLLM's own data parallelism: the engine rank each backend's gateway pins its calls to
+    # (X-data-parallel-rank; -1: none), so a session's calls stay on one engine
+    ranks: tuple[int, ...] = ()
     workers: int = 4                     # RUN slots of this Ray node, shared by its gateways
     max_tokens: int | None = None
     temperature: float | None = None
@@ -63,12 +66,12 @@ class NodeHost:
         self._shippers: dict[str, Any] = {}
         try:
             for r, url in enumerate(spec.backends):
-                self._start_gateway(r, url)
+                self._start_gateway(r, url, spec.ranks[r] if spec.ranks else -1)
         except BaseException:
             self.stack.stop()
             raise
 
-    def _start_gateway(self, r: int, url: str) -> None:
+    def _start_gateway(self, r: int, url: str, rank: int) -> None:
         from ..stack import launch
         from .shipping import NodeShipper
 
@@ -84,7 +87,7 @@ class NodeHost:
             max_tokens=self.spec.max_tokens, server_url=self.spec.server_url, node_id=node_id,
             temperature=self.spec.temperature, server_token=self.spec.server_token, limits=self.spec.limits,
             extra_sets=[f"polar_policy_version={self.spec.version}", "polar_weights_owner=external",
-                        f"polar_backend_route={self.spec.backend_route}"],
+                        f"polar_backend_route={self.spec.backend_route}", f"polar_dp_rank={rank}"],
             node_config={"calls_shipped": lambda: shipper.wait_shipped(120.0),
                          "files_cache": str(self.dir / "files")})
         self._shippers[key] = shipper

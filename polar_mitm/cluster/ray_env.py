@@ -9,6 +9,7 @@ Ray node may give its own TMPDIR): nothing one machine writes is read from anoth
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 from pathlib import Path
 
@@ -18,13 +19,28 @@ NODE_RESOURCE = "polar_node"     # a Ray node that offers it runs a gateway node
 
 def connect(address: str, namespace: str = NAMESPACE) -> None:
     """ray.init for the driver: auto (this machine's cluster), local (a private one) or an address."""
+    if address == "local":   # one machine: on loopback (Ray reads this when it is imported)
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     if ray.is_initialized():
         return
+    # ray.init puts its own SIGTERM handler (C++, it ends the process) over the command's,
+    # which stops the stack and exits 143: put the command's back (scancel, ray job stop)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        _init(ray, address, namespace)
+    finally:
+        for sig, handler in handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+def _init(ray, address: str, namespace: str) -> None:
     if address == "local":
         # a private cluster on this machine: every CPU, and this machine as the one gateway node
-        ray.init(resources={NODE_RESOURCE: 1}, include_dashboard=False, namespace=namespace, log_to_driver=False)
+        ray.init(resources={NODE_RESOURCE: 1}, include_dashboard=False, namespace=namespace, log_to_driver=False,
+                 _node_ip_address="127.0.0.1")
     else:
         ray.init(address=address, namespace=namespace, log_to_driver=False)
 

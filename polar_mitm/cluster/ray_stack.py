@@ -20,7 +20,6 @@ The secret travels to the actors as a constructor argument (through Ray), never 
 from __future__ import annotations
 
 import secrets
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,6 +45,9 @@ class ClusterOptions:
     backends: tuple[str, ...] = ()        # --backend URL[,URL...]: running servers, not actors
     replica_gpus: float = 0.0             # per replica (0: CPU; 1 where the cluster has GPUs)
     replica_argv: tuple[str, ...] = ()    # a stand-in server instead of vLLM (tests)
+    # vLLM's own data parallelism: engines per replica (--data-parallel-size), each session
+    # pinned to one (a gateway per engine rank)
+    replica_dp: int = 1
     model: str = ""
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
 
@@ -74,8 +76,7 @@ class RayStack:
         self.collector: Collector | None = None
         self.token = secrets.token_urlsafe(32)
         self.address = ""
-        self._watch: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._shipped: dict[str, tuple[int, int, float]] = {}   # per source: lines, bytes, seconds so far
 
     def __enter__(self) -> "RayStack":
         return self
@@ -112,7 +113,7 @@ class RayStack:
         actor = ray.remote(Replica)
         for i in range(o.replicas):
             spec = ReplicaSpec(index=i, server_url=self.server.url, server_token=self.token, model=o.model,
-                               settings=o.vllm, argv=o.replica_argv)
+                               settings=o.vllm, argv=o.replica_argv, dp=o.replica_dp)
             self.replicas.append(actor.options(name=f"polar-vllm-{i}", num_cpus=0 if o.replica_gpus else 1,
                                                num_gpus=o.replica_gpus, max_restarts=-1, max_concurrency=4)
                                  .remote(spec))
@@ -128,9 +129,12 @@ class RayStack:
             raise click.ClickException(f"no Ray node offers the {NODE_RESOURCE!r} resource: start the nodes that "
                                        f"run sessions with `ray start ... --resources '{{\"{NODE_RESOURCE}\": 1}}'`")
         actor = ray.remote(NodeHost)
+        dp = max(1, self.options.replica_dp)
+        backends = tuple(url for url in self.backends for _ in range(dp))
+        ranks = tuple(rank for _ in self.backends for rank in range(dp)) if dp > 1 else ()
         for k in range(n):
             spec = NodeSpec(index=k, server_url=self.server.url, server_token=self.token,
-                            backends=tuple(self.backends), workers=setup.workers, max_tokens=setup.max_tokens,
+                            backends=backends, ranks=ranks, workers=setup.workers, max_tokens=setup.max_tokens,
                             temperature=setup.temperature, limits=dict(setup.limits),
                             harnesses=setup.harnesses, version=setup.version)
             self.hosts.append(actor.options(name=actor_name(k), resources={NODE_RESOURCE: 1}, num_cpus=0,
@@ -155,15 +159,19 @@ class RayStack:
 
         if not self.replicas:
             with ThreadPoolExecutor(max(1, len(self.backends))) as pool:
-                return list(pool.map(lambda url: swap(url, version, pull), self.backends))
-        pending = [(i, r.swap.remote(version, pull)) for i, r in enumerate(self.replicas)]
-        figures: list[SwapFigures] = []
-        for i, ref in pending:
-            try:
-                figures.append(ray.get(ref, timeout=timeout))
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-                self.echo(f"replica {i} died during the sync ({type(e).__name__}): waiting for Ray to restart it")
-                figures.append(self._restarted(i, version, timeout))
+                figures = list(pool.map(lambda url: swap(url, version, pull), self.backends))
+        else:
+            figures = []
+            pending = [(i, r.swap.remote(version, pull)) for i, r in enumerate(self.replicas)]
+            for i, ref in pending:
+                try:
+                    figures.append(ray.get(ref, timeout=timeout))
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                    self.echo(f"replica {i} died during the sync ({type(e).__name__}): waiting for Ray to restart it")
+                    figures.append(self._restarted(i, version, timeout))
+        if pull is not None:
+            self.echo(f"weights v{version} to {len(figures)} replica(s): " + "; ".join(
+                f"{f['url']} fetched in {f['prefetch_s']:.2f}s, stalled {f['stall_s']:.2f}s" for f in figures))
         return figures
 
     def _restarted(self, i: int, version: int, timeout: float) -> SwapFigures:
@@ -189,8 +197,19 @@ class RayStack:
                                stall_s=loaded["stall_s"], total_s=round(time.monotonic() - t0, 4))
 
     def calls_in(self, timeout: float = 120.0) -> bool:
-        """Every node's recorded calls, as far as they go now, in the driver's store."""
-        return self.collector.catch_up(timeout) if self.collector is not None else True
+        """Every node's recorded calls, as far as they go now, in the driver's store; what was
+        shipped since the last time, said in one line."""
+        if self.collector is None:
+            return True
+        t0 = time.monotonic()
+        ok = self.collector.catch_up(timeout)
+        now = {name: (st.lines, st.bytes, st.seconds) for name, st in self.collector.stats().items()}
+        moved = [tuple(a - b for a, b in zip(v, self._shipped.get(name, (0, 0, 0.0)))) for name, v in now.items()]
+        self._shipped = now
+        lines, size, seconds = (sum(m[i] for m in moved) for i in range(3))
+        self.echo(f"calls shipped to the driver: {lines} lines, {size / 1e3:.1f} kB from {len(now)} gateway(s), "
+                  f"{seconds:.2f}s of transfers; caught up in {time.monotonic() - t0:.2f}s")
+        return ok
 
     def dead(self) -> list[str]:
         """Nothing the loop must stop for: Ray restarts a dead actor, and the rollout server

@@ -119,6 +119,7 @@ class ReplicaSpec:
     # a server to run instead of vLLM, given --host H --port P (the test suite's stand-in,
     # with vLLM's dev-mode and token routes)
     argv: tuple[str, ...] = ()
+    dp: int = 1                          # vLLM's own data parallelism: engines behind this one server
 
 
 class Replica:
@@ -141,8 +142,10 @@ class Replica:
             launch.wait_http(f"{self.url}/v1/models", self.service, 120)
         else:
             model = spec.model or str(ensure_default_model(log=lambda _: None))
+            # with --data-parallel-size one pause/reload/tag/resume reaches every engine
             self.service = launch.start_vllm(model, port=port, served_name=DEFAULT_MODEL_NAME,
-                                             log_path=folder / "vllm.log", settings=spec.settings, host=host)
+                                             log_path=folder / "vllm.log", settings=spec.settings, host=host,
+                                             extra_args=["--data-parallel-size", str(spec.dp)] if spec.dp > 1 else None)
         self.loaded = self._load_current()
 
     def _load_current(self) -> SwapFigures:
@@ -161,7 +164,8 @@ class Replica:
         return swap(self.url, version, pull)
 
     def ready(self) -> dict[str, Any]:
-        return {"url": self.url, "index": self.spec.index, "loaded": self.loaded, "tag": served_tag(self.url)}
+        return {"url": self.url, "index": self.spec.index, "loaded": self.loaded, "tag": served_tag(self.url),
+                "dp": self.spec.dp}
 
     def address(self) -> str:
         return self.url

@@ -42,6 +42,7 @@ class LoopOptions:
     nodes: int | None = None
     replicas: int = 1
     replica_gpus: float = 0.0
+    replica_dp: int = 1                   # vLLM's own data parallelism per replica (sessions pinned to a rank)
 
     def evaluates(self, it: int) -> bool:
         """Whether iteration `it` (from 0) runs the held-out tasks: the first and the last always,

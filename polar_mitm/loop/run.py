@@ -120,7 +120,8 @@ def _on_ray(opts: LoopOptions, train_cfg: TrainConfig, running: ExitStack, out: 
     backends = tuple(b.strip().rstrip("/") for b in (opts.backend or "").split(",") if b.strip())
     cluster = running.enter_context(RayStack(ClusterOptions(
         address=opts.ray, nodes=opts.nodes, replicas=opts.replicas, backends=backends,
-        replica_gpus=opts.replica_gpus, model=opts.model or "", vllm=_vllm_settings(opts, train_cfg)), echo))
+        replica_gpus=opts.replica_gpus, replica_dp=opts.replica_dp, model=opts.model or "",
+        vllm=_vllm_settings(opts, train_cfg)), echo))
     harnesses = tuple(sorted({t.harness for t in [*tasks.train, *tasks.held_out]}))
     url = cluster.start(db, RolloutSetup(
         workers=opts.workers, max_tokens=opts.max_tokens, temperature=train_cfg.temperature,

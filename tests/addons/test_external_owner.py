@@ -65,3 +65,19 @@ def test_a_restarted_replica_is_no_version_until_its_owner_loads_one(start_proxy
     rows = dict(query(proxy.db, "SELECT session_id, token_versions FROM calls")[1])
     assert set(rows["before~0"]) == {3} and set(rows["after~0"]) == {3}, rows
     assert set(rows["between~0"]) == {None}, rows     # sampled by weights nobody loaded: never trained
+
+
+def test_a_gateway_pinned_to_an_engine_rank_sends_every_call_there(start_proxy, tmp_path):
+    """vLLM's own data parallelism: a gateway per engine rank (cluster/node_host.py) pins each
+    of its sessions' calls to that engine (X-data-parallel-rank), for its prefix cache."""
+    with FakeVLLM(delay=0.01) as fake:
+        pinned = start_proxy(fake.url, [f"polar_control_token={TOKEN}", "polar_dp_rank=1"])
+        free = start_proxy(fake.url, [f"polar_control_token={TOKEN}"], root=tmp_path / "free")
+        ask(pinned, "pinned~0")
+        ask(pinned, "pinned~0", stream=True)
+        pinned_ranks = list(fake.ranks)
+        ask(free, "free~0")
+    paths = {p for p, _ in pinned_ranks}
+    assert {"/v1/chat/completions/render", "/inference/v1/generate", "/v1/chat/completions/derender"} <= paths
+    assert {r for _, r in pinned_ranks} == {"1"}
+    assert fake.ranks == pinned_ranks            # the other gateway named no rank: vLLM balances its calls

@@ -19,9 +19,10 @@ from support.fake_vllm import FakeVLLM
 from support.grpo_data import tiny_model_dir
 from support.loop_run import TRAIN, LoopRun
 
-ray = pytest.importorskip("ray", reason="the [ray] extra is part of the test install (pyproject)")
+from support.ray_cluster import LocalCluster  # noqa: E402  (before Ray is imported: it keeps Ray on loopback)
 from support import file_access  # noqa: E402
-from support.ray_cluster import LocalCluster  # noqa: E402
+
+ray = pytest.importorskip("ray", reason="the [ray] extra is part of the test install (pyproject)")
 
 
 @pytest.fixture(scope="module")
@@ -38,27 +39,32 @@ def query(db: str, sql: str) -> list[dict]:
     return [dict(zip(columns, r)) for r in rows]
 
 
-def _tasks(driver: Path, mode: str, samples: int = 3) -> Path:
-    """Two tasks whose workspace (on the driver only) holds the harness it runs."""
+def _tasks(driver: Path, mode: str, samples: int = 3, probe: dict[str, str] | None = None) -> Path:
+    """Two tasks whose workspace (on the driver only) holds the harness it runs; probe: task b's
+    sessions then try to reach what they must not (cluster_probe.py, these URLs through the proxy)."""
     ws = driver / "workspace"
     ws.mkdir(parents=True, exist_ok=True)
     shutil.copy(SUPPORT / "fake_harness.py", ws / "fake_harness.py")
+    shutil.copy(SUPPORT / "cluster_probe.py", ws / "cluster_probe.py")
+    (ws / "targets.json").write_text(json.dumps(probe or {}))
     (ws / "README").write_text("the task's files\n")
     tasks = driver / "tasks.jsonl"
+    harness = f"{sys.executable} fake_harness.py {mode} 2"
     tasks.write_text("\n".join(json.dumps({
         "task_id": t, "instruction": "add", "timeout": 120, "num_samples": samples, "workspace": str(ws),
-        "command": f"{sys.executable} fake_harness.py {mode} 2", "evaluator": "echo $POLAR_SAMPLE"})
+        "command": harness + (f" && {sys.executable} cluster_probe.py" if probe and t == "b" else ""),
+        "evaluator": "echo $POLAR_SAMPLE"})
         for t in ("a", "b")) + "\n")
     return tasks
 
 
 def _loop(cluster: LocalCluster, driver: Path, backends: list[str], model: str, iterations: int,
-          mode: str = "ok") -> LoopRun:
+          mode: str = "ok", probe: dict[str, str] | None = None) -> LoopRun:
     out = driver / "run"
     env = {**cluster.env(), "TMPDIR": str(driver / "tmp"), "HOME": str(driver / "home")}
     for d in ("tmp", "home"):
         (driver / d).mkdir(parents=True, exist_ok=True)
-    argv = [TRAIN, "loop", "--ray", cluster.address, "--tasks", str(_tasks(driver, mode)),
+    argv = [TRAIN, "loop", "--ray", cluster.address, "--tasks", str(_tasks(driver, mode, probe=probe)),
             "--iterations", str(iterations), "--out", str(out), "--backend", ",".join(backends),
             "--model", model, "--harness", "command", "--workers", "2", "--max-tokens", "8",
             "--lr", "1e-3", "--token-budget", "256"]
@@ -80,7 +86,9 @@ def test_the_loop_runs_on_three_ray_nodes_and_two_replicas_sharing_no_disk(clust
         with FakeVLLM(delay=0.01) as r0, FakeVLLM(delay=0.01) as r1:
             for fake in (r0, r1):
                 fake.fetch_pulls = True
-            run = _loop(cluster, driver, [r0.url, r1.url], model, iterations=2)
+            probe = {"ray's GCS": f"http://{cluster.address}/", "replica r0": f"{r0.url}/v1/models",
+                     "replica r1": f"{r1.url}/weight_info"}
+            run = _loop(cluster, driver, [r0.url, r1.url], model, iterations=2, probe=probe)
             code = run.wait(600)
             assert code == 0, run.output[-4000:]
             # both replicas took calls and every sync: pulled from the trainer's memory, tagged v2
@@ -101,6 +109,14 @@ def test_the_loop_runs_on_three_ray_nodes_and_two_replicas_sharing_no_disk(clust
     stored = {r["session_id"]: r["n"] for r in query(db, "SELECT session_id, count(*) AS n FROM calls GROUP BY 1")}
     for s in sessions:
         assert stored.get(s["session_id"]) == json.loads(s["stats"])["calls"] == 2, s
+    # from inside a session: nothing on the machine but its own proxy, and through it nothing else
+    probes = [json.loads(line.partition("PROBE ")[2]) for s in sessions
+              for line in (json.loads(s["stats"]).get("harness_output") or "").splitlines() if "PROBE " in line]
+    assert len(probes) == 6, [json.loads(s["stats"]).get("harness_output") for s in sessions][:2]
+    for p in probes:
+        assert p["open"] == [p["proxy_port"]], p
+        assert not [r for r in p["via_proxy"].values() if r.startswith("200")], p
+    print("from inside a session:", probes[0])
     table = _calls_by_node_replica_version(db)
     print("calls per (node, replica, version):")
     for node_id, version, n in table:

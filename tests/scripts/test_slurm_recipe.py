@@ -245,7 +245,7 @@ def test_the_sbatch_script_starts_a_ray_head_with_polar_node_inside_the_allocati
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "POLAR_RAY_PORT": str(_free_port()),
         # ports of this test's own, should another Ray run on this machine
-        "POLAR_RAY_START_ARGS": f"--dashboard-agent-listen-port={_free_port()}",
+        "POLAR_RAY_START_ARGS": f"--dashboard-agent-listen-port={_free_port()} --object-store-memory={100 << 20}",
         "POLAR_RAY_HEAD_ARGS": f"--include-dashboard=false --ray-client-server-port={_free_port()}",
         "POLAR_RAY_WAIT_S": "60"})
     # One CPU of the node's: Ray must count the allocation's, not the machine's.

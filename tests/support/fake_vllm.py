@@ -122,6 +122,7 @@ class FakeVLLM:
         self.sleeping: set[str] = set()   # what sleeps: "weights", "kv_cache"
         self.weight_version: str | None = "default"   # /update_weight_version's tag (vLLM starts with "default")
         self.restarts = 0
+        self.ranks: list[tuple[str, str]] = []   # (path, X-data-parallel-rank) of requests that named one
         self._conns: set = set()          # open client connections: they end with the "process"
         self.served_asleep = 0            # generation asked while asleep (must stay 0)
         self._ids = itertools.count(1)
@@ -493,6 +494,10 @@ class FakeVLLM:
 
             def _answer(self, method: str) -> None:
                 raw = self.rfile.read(int(self.headers.get("content-length") or 0)) if method == "POST" else b""
+                rank = self.headers.get("x-data-parallel-rank")
+                if rank is not None:     # vLLM's data parallelism: the engine a request is pinned to
+                    with fake.lock:
+                        fake.ranks.append((self.path.partition("?")[0], rank))
                 try:
                     status, body = fake.respond(method, self.path, raw)
                 except Dropped:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# read by Ray when it is imported: set before anything imports it (this module first)
+os.environ.update(LOOPBACK_ENV)
 
 
 @dataclass

@@ -79,6 +79,16 @@ if ! command -v chromium >/dev/null; then
   command -v chromium >/dev/null \
     || echo "warning: chromium is not installed: the dashboard's browser tests will fail (install the chromium package as root)" >&2
 fi
+# Slurm (slurm-wlm, with munge): tests/scripts/test_slurm_recipe.py runs scripts/slurm/ in a
+# one-node Slurm cluster of its own. Same way: as root, best effort (the daemons are not started here).
+if ! command -v slurmd >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        slurm-wlm munge; } >/dev/null 2>&1 || true
+  fi
+  command -v slurmd >/dev/null \
+    || echo "warning: slurm-wlm is not installed: the Slurm recipe's test will skip (install slurm-wlm as root)" >&2
+fi
 # The demo's harness (polar-mitm demo runs Pi), from npm at its pinned version.
 if command -v npm >/dev/null; then
   .venv/bin/polar-mitm harness install pi >/dev/null || echo "warning: could not install the Pi harness from npm" >&2

@@ -286,12 +286,16 @@ def format_builders(rows: list[dict]) -> str:
 @click.option("--replica-dp", type=click.IntRange(1), default=_LOOP["replica_dp"], show_default=True,
               help="With --ray: vLLM's own data parallelism in each replica (--data-parallel-size); each "
                    "session's calls are pinned to one engine (X-data-parallel-rank)")
+@click.option("--trainer-gpus", type=click.FloatRange(0, 1), default=_LOOP["trainer_gpus"], show_default=True,
+              help="With --ray: the trainer as a Ray actor (polar-trainer) with this many GPUs, where Ray finds "
+                   "them; 0: the trainer runs in the driver's process")
+@click.option("--trainer-actor", is_flag=True, help="With --ray: place the trainer as a Ray actor even without GPUs")
 @report_to_option
 @session_limit_option
 @trainer_options
 def loop(tasks_file, iterations, out, harness, samples, model, backend, eval_tasks_file, eval_every, workers,
          max_tokens, keep, vllm, max_staleness, server, colocate, sync_mode, weights_from, ray_address, nodes,
-         replicas, replica_gpus, replica_dp, report_to, session_limits, **options):
+         replicas, replica_gpus, replica_dp, trainer_gpus, trainer_actor, report_to, session_limits, **options):
     """The closed loop: rollouts through a real harness, GRPO, the new weights synced into the
     running vLLM, the next rollouts.
 
@@ -304,7 +308,7 @@ def loop(tasks_file, iterations, out, harness, samples, model, backend, eval_tas
                        server=server or None, colocate=colocate, report_to=report_to,
                        session_limits=session_limits, sync_mode=sync_mode, weights_from=weights_from,
                        ray=ray_address, nodes=nodes, replicas=replicas, replica_gpus=replica_gpus,
-                       replica_dp=replica_dp)
+                       replica_dp=replica_dp, trainer_gpus=trainer_gpus, trainer_actor=trainer_actor)
     interruptible_loop(opts, train_config(**options))
 
 

@@ -43,6 +43,9 @@ class LoopOptions:
     replicas: int = 1
     replica_gpus: float = 0.0
     replica_dp: int = 1                   # vLLM's own data parallelism per replica (sessions pinned to a rank)
+    # the trainer as a Ray actor with these GPUs, where Ray finds them (0: in the driver's process)
+    trainer_gpus: float = 0.0
+    trainer_actor: bool = False           # the trainer as a Ray actor even without GPUs (CPU clusters, tests)
 
     def evaluates(self, it: int) -> bool:
         """Whether iteration `it` (from 0) runs the held-out tasks: the first and the last always,

@@ -26,7 +26,7 @@ import shutil
 from contextlib import ExitStack, closing, contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, cast
 
 import click
 
@@ -111,7 +111,13 @@ def _on_ray(opts: LoopOptions, train_cfg: TrainConfig, running: ExitStack, out: 
 
     assert opts.ray
     connect(opts.ray)
-    trainer = _trainer(state, base, train_cfg)
+    if opts.trainer_gpus or opts.trainer_actor:   # where its GPUs are; it serves its own weights
+        from ..cluster.trainer_host import RemoteTrainer
+        trainer = cast("Trainer", running.enter_context(RemoteTrainer.start(   # duck-typed: what the loop uses
+            state.checkpoint or base, train_cfg, ref_model=base, trainer_state=state.trainer_state,
+            gpus=opts.trainer_gpus, echo=echo)))
+    else:
+        trainer = _trainer(state, base, train_cfg)
     weights = running.enter_context(WeightServer(host=node_address()))
     pull = None
     if state.version:   # the replicas start on the base model: they pull the run's version
@@ -157,6 +163,8 @@ def _check_options(opts: LoopOptions) -> None:
                         "nothing can be sampled then")
     if opts.backend and "," in opts.backend and not opts.ray:
         raise LoopError("several --backend URLs are replicas on a Ray cluster: add --ray")
+    if not opts.ray and (opts.trainer_gpus or opts.trainer_actor):
+        raise LoopError("--trainer-gpus and --trainer-actor place the trainer on a Ray cluster: add --ray")
     if opts.ray and (opts.server or opts.colocate):
         raise LoopError("--ray runs its own rollout server and replicas: not with --server or --colocate")
     if opts.weights_from == "memory" and opts.server:

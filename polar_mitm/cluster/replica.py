@@ -189,12 +189,21 @@ def _free_port(host: str, port: int = 0) -> int:
         return s.getsockname()[1]
 
 
-def _kept_port(path: Path, host: str) -> int:
+def _kept_port(path: Path, host: str, wait: float = 60.0) -> int:
     """The port this replica had before on this machine (a restart keeps its URL, which its
-    gateways know), else a free one, kept for next time."""
+    gateways know), else a free one, kept for next time. The last process on it may still be
+    going (a killed actor's server ends with it, not at once): it is waited for."""
     try:
-        return _free_port(host, int(path.read_text()))
+        kept = int(path.read_text())
     except (OSError, ValueError):
         port = _free_port(host)
         path.write_text(str(port))
         return port
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return _free_port(host, kept)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise SwapError(f"port {kept} of this replica's last start is still taken after {wait:g}s") from None
+            time.sleep(0.5)

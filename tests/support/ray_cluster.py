@@ -34,6 +34,9 @@ class NodeDirs:
         # The installed software (the default model's conversion, the harness CLIs) is this
         # machine's, as a shared install would be: made once, not per node on each test run.
         return {**LOOPBACK_ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "POLAR_MITM_CACHE": str(cache_dir()),
+                # vLLM's compiled kernels: this machine's (a cold compile per node is many minutes on CPU)
+                "VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT") or os.path.join(
+                    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm"),
                 "TMPDIR": str(self.root / "tmp"), "HOME": str(self.root / "home"),
                 "XDG_CACHE_HOME": str(self.root / "cache"), "POLAR_NODE_DIR": str(self.root / "polar"),
                 "POLAR_TEST_NODE": self.name}

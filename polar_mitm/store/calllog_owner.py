@@ -14,6 +14,7 @@ import fcntl
 import logging
 import os
 import time
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
@@ -69,14 +70,20 @@ def log_owner(directory: Path) -> str | None:
 
 def claim_log(directory: Path, db_id: str) -> None:
     """Record that this log belongs to the database `db_id` (durably: before any line)."""
-    tmp = directory / (OWNER_FILE + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    write_durably(directory, OWNER_FILE, db_id)
+
+
+def write_durably(directory: Path, name: str, text: str) -> None:
+    """directory/name holds text, whole or not at all, after a crash too (0600): written to a
+    temporary file of this writer's own, fsynced, renamed over, the directory fsynced."""
+    tmp = directory / f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.write(fd, db_id.encode())
+        os.write(fd, text.encode())
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(tmp, directory / OWNER_FILE)
+    os.replace(tmp, directory / name)
     dfd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dfd)

@@ -17,14 +17,13 @@ from __future__ import annotations
 import fcntl
 import os
 import re
-import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from .calllog import Position, log_end, read_lines
-from .calllog_owner import log_owner
+from .calllog_owner import log_owner, write_durably
 
 SHIP_ID = ".ship_id"
 SHIPPING = ".shipping"
@@ -50,22 +49,6 @@ class Chunk:
 
     def split(self) -> list[bytes]:
         return self.lines.split(b"\n")[:-1] if self.lines else []
-
-
-def _write_atomic(directory: Path, name: str, text: str) -> None:
-    tmp = directory / f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, directory / name)
-    dfd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def _read(directory: Path, name: str) -> str | None:
@@ -115,10 +98,10 @@ def log_identity(directory: Path) -> str:
         current = _current_id(directory)
         if current is not None:
             if rec is not None and rec[1] == _NO_OWNER and owner is not None:
-                _write_atomic(directory, SHIP_ID, f"{current} {owner}\n")   # its owner since
+                write_durably(directory, SHIP_ID, f"{current} {owner}\n")   # its owner since
             return current
         new = os.urandom(16).hex()
-        _write_atomic(directory, SHIP_ID, f"{new} {owner or _NO_OWNER}\n")
+        write_durably(directory, SHIP_ID, f"{new} {owner or _NO_OWNER}\n")
         return new
 
 
@@ -128,7 +111,7 @@ def enable_shipping(directory: Path) -> str:
     log_id = log_identity(directory)
     if not shipping_enabled(directory):
         with _locked(directory):
-            _write_atomic(directory, SHIPPING, "1\n")
+            write_durably(directory, SHIPPING, "1\n")
     return log_id
 
 
@@ -162,7 +145,7 @@ def mark_shipped(directory: Path, end: Position, log_id: str | None = None) -> b
         old = shipped_mark(directory)
         if old is not None and end <= old:
             return False
-        _write_atomic(directory, SHIPPED, f"{current} {end.encode()}\n")
+        write_durably(directory, SHIPPED, f"{current} {end.encode()}\n")
         return True
 
 

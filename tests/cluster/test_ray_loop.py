@@ -21,6 +21,7 @@ ROOT = SUPPORT.parent.parent
 from support.fake_vllm import FakeVLLM
 from support.grpo_data import tiny_model_dir
 from support.loop_run import TRAIN, LoopRun
+from support.procs import until
 
 from support.ray_cluster import LocalCluster  # noqa: E402  (before Ray is imported: it keeps Ray on loopback)
 from support import file_access  # noqa: E402
@@ -154,15 +155,6 @@ def _exactly_once(db: str) -> dict[str, int]:
             "calls of done sessions": sum(stored.get(s["session_id"], 0) for s in done)}
 
 
-def _until(cond, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def test_a_worker_node_killed_during_rollouts_costs_nothing_but_time(cluster):
     """Its raylet and every process of it gone mid-session: the rollout server releases its
     sessions (their heartbeats stopped), they run again on the other nodes, no sample is
@@ -176,7 +168,7 @@ def test_a_worker_node_killed_during_rollouts_costs_nothing_but_time(cluster):
             r0.fetch_pulls = True
             run = _loop(cluster, driver, [r0.url], model, iterations=1, mode="slow:6")
             running = lambda: list((victim.root / "polar").glob("polar-node-*/r0/sessions/*/logs/*.log"))  # noqa: E731
-            if not _until(lambda: bool(running()), 300):
+            if not until(lambda: bool(running()), 300):
                 Path("/tmp/debug-kill.txt").write_text(run.output + "\n".join(sorted(str(p) for p in victim.root.rglob("*"))))
                 raise AssertionError("no session ran on the victim")
             cluster.kill_node(2)
@@ -205,7 +197,7 @@ def test_the_driver_killed_and_rerun_resumes_with_every_call_once(cluster):
         r0.fetch_pulls = True
         run = _loop(cluster, driver, [r0.url], model, iterations=2, mode="slow:2")
         state = driver / "run" / "loop.json"
-        assert _until(lambda: state.exists() and json.loads(state.read_text())["completed"] >= 1, 400), \
+        assert until(lambda: state.exists() and json.loads(state.read_text())["completed"] >= 1, 400), \
             run.output[-3000:]
         time.sleep(3)                                                   # into iteration 2's rollouts
         run.kill()
